@@ -1,0 +1,296 @@
+"""Streaming FASTA reader: plain, gzip or bgzip in; tokenized records out.
+
+The file is decompressed by ISA-L (``isal``) in a background thread while this thread splits lines
+and tokenizes with ``bytes.translate``, so reading runs close to the speed of decompression. Memory is
+bounded by the largest selected record; unselected records are scanned and dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+from .vocab import INVALID, TOKEN_TABLE
+
+CHUNK = 8 << 20
+_MAGIC = {
+    b"\x1f\x8b": "gzip",
+    b"BZh": "bzip2",
+    b"\xfd7zXZ": "xz",
+    b"\x28\xb5\x2f\xfd": "zstd",
+    b"PK\x03\x04": "zip",
+}
+
+
+@dataclass
+class Record:
+    """One FASTA record, tokenized.
+
+    ``tokens`` and ``mask`` are lists of chunks (``bytes`` of token ids, ``bool`` arrays) so a large
+    record is never copied into one buffer just to be written out again.
+    """
+
+    name: str
+    description: str
+    index: int
+    length: int = 0
+    n_count: int = 0
+    gc_count: int = 0
+    softmasked: int = 0
+    tokens: list[bytes] = field(default_factory=list)
+    mask: list[np.ndarray] = field(default_factory=list)
+    _sha: "hashlib._Hash" = field(default_factory=hashlib.sha256, repr=False)
+    _pending: list[Future] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_sha256(self) -> str:
+        return self._sha.hexdigest()
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(b"".join(self.tokens), dtype=np.uint8)
+
+    def mask_array(self) -> np.ndarray:
+        return np.concatenate(self.mask) if self.mask else np.zeros(0, dtype=bool)
+
+
+class _Counting:
+    """A raw file wrapper that reports how many compressed bytes were consumed."""
+
+    def __init__(self, raw, on_read: Callable[[int], None] | None):
+        self.raw, self.on_read = raw, on_read
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        if self.on_read is not None:
+            self.on_read(len(data))
+        return data
+
+    def readinto(self, buf) -> int:
+        n = self.raw.readinto(buf)
+        if self.on_read is not None and n:
+            self.on_read(n)
+        return n
+
+    def __getattr__(self, item):
+        return getattr(self.raw, item)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.raw.close()
+
+
+def sniff_compression(path: Path) -> str:
+    """``"plain"`` or ``"gzip"``; raises :class:`InputError` for other formats or an empty file."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if not head:
+        raise InputError("file is empty", path)
+    for magic, kind in _MAGIC.items():
+        if head.startswith(magic):
+            if kind != "gzip":
+                raise InputError(
+                    f"file is {kind}-compressed; megabase reads plain, gzip or bgzip FASTA", path
+                )
+            return kind
+    return "plain"
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    from isal.isal_zlib import IsalError
+
+    return (OSError, ValueError, IsalError)
+
+
+def _open_stream(path: Path, on_read: Callable[[int], None] | None):
+    """(raw file, decompressed stream); the same object twice for plain FASTA."""
+    compression = sniff_compression(path)
+    raw = _Counting(open(path, "rb"), on_read)
+    if compression == "gzip":
+        from isal import igzip_threaded
+
+        return raw, igzip_threaded.open(raw, "rb", threads=1)
+    return raw, raw
+
+
+def read_fasta(
+    path: str | Path,
+    keep: Callable[[str], bool] | None = None,
+    on_read: Callable[[int], None] | None = None,
+) -> Iterator[Record]:
+    """Yield the records of a FASTA file, tokenized.
+
+    Args:
+        path: plain, gzip or bgzip FASTA. Any line width, CRLF, blank lines, lower case, IUPAC.
+        keep: called with each record name; records it rejects are skipped (not tokenized).
+        on_read: called with the number of (compressed) bytes consumed, for progress bars.
+
+    Yields:
+        :class:`Record` with token chunks, mask chunks and counts. Names must be unique.
+
+    Raises:
+        InputError: missing/empty/not-FASTA file, truncated or corrupt gzip, an invalid character
+            (with record and base offset), an unnamed or duplicate record, no records at all.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError("no such file", path)
+    if path.is_dir():
+        raise InputError("is a directory, not a FASTA file", path)
+    try:
+        raw, stream = _open_stream(path, on_read)
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", path) from None
+    # Checksums and counts run on a worker thread (hashlib and numpy release the GIL) while this
+    # thread splits and translates the next block and ISA-L decompresses the one after.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megabase-fasta")
+    parser = _Parser(path, keep, pool)
+    try:
+        with raw, stream:
+            carry = b""
+            while True:
+                chunk = stream.read(CHUNK)
+                if not chunk:
+                    break
+                data = carry + chunk if carry else chunk
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = data
+                    continue
+                carry = data[cut:]
+                yield from parser.feed(data[:cut])
+            if carry:
+                yield from parser.feed(carry + b"\n")
+        yield from parser.finish()
+    except EOFError:
+        raise InputError(parser.where("gzip stream is truncated (file ends early)"), path) from None
+    except _decompress_errors() as exc:
+        raise InputError(parser.where(f"corrupt compressed data ({exc})"), path) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _chunk_stats(record: Record, seq: bytes, tokens: bytes, mask: np.ndarray, offset: int):
+    """Validate, hash and count one chunk; runs on the worker thread, in submission order."""
+    bad = tokens.find(INVALID)
+    if bad >= 0:
+        return (offset + bad, seq[bad])
+    record._sha.update(tokens)
+    arr = np.frombuffer(tokens, dtype=np.uint8)
+    record.n_count += int(np.count_nonzero(arr == 4))
+    record.gc_count += int(np.count_nonzero(arr == 1)) + int(np.count_nonzero(arr == 2))
+    record.softmasked += int(np.count_nonzero(mask & (arr < 4)))
+    return None
+
+
+class _Parser:
+    """Line-aligned blocks in, complete records out."""
+
+    def __init__(self, path: Path, keep: Callable[[str], bool] | None, pool: ThreadPoolExecutor):
+        self.path, self.keep, self.pool = path, keep, pool
+        self.record: Record | None = None
+        self.skipping = False
+        self.seen: dict[str, int] = {}
+        self.count = 0
+
+    def where(self, what: str) -> str:
+        if self.record is None:
+            return what
+        return f"{what} (in record {self.record.name!r}, after {self.record.length:,} bases)"
+
+    def feed(self, block: bytes) -> Iterator[Record]:
+        pos, size = 0, len(block)
+        while pos < size:
+            if block[pos] == 0x3E:  # '>'
+                eol = block.index(b"\n", pos)
+                done = self._start(block[pos + 1 : eol].rstrip(b"\r"))
+                if done is not None:
+                    yield done
+                pos = eol + 1
+                continue
+            nxt = block.find(b">", pos)
+            end = size if nxt < 0 else nxt
+            self._sequence(block[pos:end])
+            if 0 <= nxt and block[nxt - 1] != 0x0A:
+                self._invalid(self.record.length if self.record else 0, ord(">"))
+            pos = end
+
+    def finish(self) -> Iterator[Record]:
+        if self.count == 0:
+            raise InputError("not FASTA: no '>' header line found", self.path)
+        if self.record is not None and not self.skipping:
+            yield self._complete(self.record)
+        self.record = None
+
+    def _start(self, header: bytes) -> Record | None:
+        done = None
+        if self.record is not None and not self.skipping:
+            done = self._complete(self.record)
+        text = header.decode("utf-8", errors="replace").strip()
+        name, _, description = text.partition(" ")
+        name = name.split("\t")[0]
+        self.count += 1
+        if not name:
+            raise InputError(f"record {self.count} has an empty name (line '>{text}')", self.path)
+        if name in self.seen:
+            raise InputError(
+                f"duplicate record name (records {self.seen[name]} and {self.count})",
+                self.path,
+                name,
+            )
+        self.seen[name] = self.count
+        self.record = Record(name=name, description=description.strip(), index=self.count - 1)
+        self.skipping = self.keep is not None and not self.keep(name)
+        return done
+
+    def _sequence(self, raw: bytes) -> None:
+        record = self.record
+        if record is None:
+            if raw.strip():
+                first = raw.strip().split(b"\n", 1)[0][:40]
+                raise InputError(
+                    f"not FASTA: text before the first '>' header ({first.decode('latin-1')!r})",
+                    self.path,
+                )
+            return
+        if self.skipping:
+            return
+        seq = raw.replace(b"\n", b"")
+        for junk in (b"\r", b" ", b"\t"):
+            if junk in seq:
+                seq = seq.replace(junk, b"")
+        if not seq:
+            return
+        tokens = seq.translate(TOKEN_TABLE)
+        mask = np.frombuffer(seq, dtype=np.uint8) >= ord("a")
+        record._pending.append(
+            self.pool.submit(_chunk_stats, record, seq, tokens, mask, record.length)
+        )
+        record.tokens.append(tokens)
+        record.mask.append(mask)
+        record.length += len(tokens)
+
+    def _complete(self, record: Record) -> Record:
+        for future in record._pending:
+            bad = future.result()
+            if bad is not None:
+                self.record = record
+                self._invalid(*bad)
+        record._pending.clear()
+        return record
+
+    def _invalid(self, offset: int, byte: int):
+        char = chr(byte)
+        shown = repr(char) if char.isprintable() else f"byte 0x{byte:02x}"
+        raise InputError(
+            f"invalid character {shown} at base {offset + 1:,} (not a nucleotide, IUPAC code or gap)",
+            self.path,
+            self.record.name if self.record else None,
+        )

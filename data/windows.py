@@ -1,0 +1,205 @@
+"""Windows: named splits of records or regions, tiled into fixed-length windows and kept as BED rows.
+
+A BED row ``chrom  start  end  split`` (0-based, half-open) describes one window, so users can inspect
+windows with any genome tool and reuse them across runs. Tiling is deterministic: splits in the order
+given, regions in the order given, windows left to right.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+from .names import Region, parse_region
+from .store import TokenStore
+from .vocab import N
+
+SHORT_POLICIES = ("keep", "refuse")
+
+
+@dataclass(frozen=True, order=True)
+class Window:
+    """One window: 0-based half-open ``[start, end)`` of record ``chrom``, in split ``split``."""
+
+    chrom: str
+    start: int
+    end: int
+    split: str = ""
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SplitSummary:
+    """Per split: what was tiled, kept and dropped."""
+
+    regions: list[str] = field(default_factory=list)
+    windows: int = 0
+    bases: int = 0
+    short: int = 0
+    dropped_n: int = 0
+
+
+_THOUSANDS = re.compile(r"^\d{3}(-\d*)?$")
+
+
+def parse_split(spec: str) -> tuple[str, list[str]]:
+    """``"train=chr01,chr02"`` -> ``("train", ["chr01", "chr02"])``.
+
+    Commas separate regions; commas inside coordinates (``chr22:30,000,001-40,000,000``) are kept.
+    """
+    name, sep, value = spec.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise InputError(f"bad --split {spec!r}: expected NAME=REGION[,REGION...]")
+    items: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if items and ":" in items[-1] and items[-1][-1].isdigit() and _THOUSANDS.match(part):
+            items[-1] += part
+        elif part:
+            items.append(part)
+    return name.strip(), items
+
+
+def _check_overlaps(regions: list[tuple[str, Region, int]]) -> None:
+    spans = sorted((r.name, r.start, end, split, str(r)) for split, r, end in regions)
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2] and a[3] != b[3]:
+            raise InputError(
+                f"splits overlap: {a[3]} {a[4]} and {b[3]} {b[4]} share bases "
+                "(held-out data must not be trained on)"
+            )
+
+
+def make_windows(
+    store: TokenStore,
+    splits: dict[str, list[str]],
+    length: int,
+    stride: int | None = None,
+    max_n_frac: float = 0.5,
+    on_short: str = "keep",
+) -> tuple[list[Window], dict[str, SplitSummary]]:
+    """Tile the regions of each split into windows.
+
+    Args:
+        store: the token store the regions refer to.
+        splits: split name -> regions (``chr01``, ``1``, ``chr22:1-1,000,000``).
+        length: window length L in bases.
+        stride: start-to-start distance; default L (no overlap).
+        max_n_frac: drop windows whose fraction of ``N`` exceeds this (counted in the summary).
+        on_short: a region shorter than L gives one shorter window (``keep``) or an error
+            (``refuse``). The last window of a longer region may be shorter than L; windows never
+            run past a region's end.
+
+    Returns:
+        windows and a per-split :class:`SplitSummary`.
+    """
+    if length < 1:
+        raise InputError(f"--length must be a positive number of bases, got {length}")
+    stride = length if stride is None else stride
+    if stride < 1:
+        raise InputError(f"--stride must be positive, got {stride}")
+    if not 0.0 <= max_n_frac <= 1.0:
+        raise InputError(f"--max-n-frac must be within [0, 1], got {max_n_frac}")
+    if on_short not in SHORT_POLICIES:
+        raise InputError(f"unknown short-record policy {on_short!r}; choose from {SHORT_POLICIES}")
+    if not splits:
+        raise InputError("no splits given (e.g. --split train=chr01,chr02 --split eval=chr22)")
+
+    resolved: list[tuple[str, Region, int]] = []
+    for split, specs in splits.items():
+        for spec in specs:
+            region = parse_region(spec, store.names, str(store.path))
+            size = store.length(region.name)
+            end = size if region.end is None else region.end
+            if end > size:
+                raise InputError(f"region {spec!r} ends at {end:,}, past the record's end ({size:,})",
+                                 store.path, region.name)
+            resolved.append((split, region, end))
+    _check_overlaps(resolved)
+
+    windows: list[Window] = []
+    summary = {split: SplitSummary() for split in splits}
+    for split, region, end in resolved:
+        info = summary[split]
+        info.regions.append(str(region))
+        span = end - region.start
+        if span < length and on_short == "refuse":
+            raise InputError(f"{span:,} bases, shorter than one window ({length:,}); "
+                             "use a shorter --length or --short keep", store.path, region.name)
+        tokens = store.tokens(region.name)
+        for start in _starts(region.start, end, length, stride):
+            stop = min(start + length, end)
+            if stop - start < length:
+                info.short += 1
+            n_count = int(np.count_nonzero(tokens[start:stop] == N))
+            if n_count > max_n_frac * (stop - start):
+                info.dropped_n += 1
+                continue
+            windows.append(Window(region.name, start, stop, split))
+            info.windows += 1
+            info.bases += stop - start
+    return windows, summary
+
+
+def _starts(begin: int, end: int, length: int, stride: int) -> list[int]:
+    if end <= begin:
+        return []
+    if end - begin <= length:
+        return [begin]
+    starts = list(range(begin, end - length + 1, stride))
+    if starts[-1] + length < end and starts[-1] + stride < end:
+        starts.append(starts[-1] + stride)
+    return starts
+
+
+def write_bed(path: str | Path, windows: list[Window], comment: str | None = None) -> Path:
+    """Write windows as BED4 (``chrom start end split``) atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {line}" for line in (comment or "").splitlines()]
+    lines.append("#chrom\tstart\tend\tsplit")
+    lines += [f"{w.chrom}\t{w.start}\t{w.end}\t{w.split}" for w in windows]
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_bed(path: str | Path, split: str | None = None) -> list[Window]:
+    """Read BED rows (3 or more columns; the 4th is the split). Optionally keep one split."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("no such BED file", path)
+    windows = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip() or line.startswith(("#", "track", "browser")):
+                continue
+            cols = line.rstrip("\n").split("\t")
+            try:
+                chrom, start, end = cols[0], int(cols[1]), int(cols[2])
+            except (IndexError, ValueError):
+                raise InputError(f"line {lineno}: expected CHROM<TAB>START<TAB>END[<TAB>SPLIT]",
+                                 path) from None
+            if not 0 <= start < end:
+                raise InputError(f"line {lineno}: need 0 <= start < end, got {start}-{end}", path)
+            window = Window(chrom, start, end, cols[3] if len(cols) > 3 else "")
+            if split is None or window.split == split:
+                windows.append(window)
+    if split is not None and not windows:
+        raise InputError(f"no windows in split {split!r}", path)
+    return windows

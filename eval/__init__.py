@@ -1,0 +1,1 @@
+"""megabase.eval: held-out scoring binned by prior context, Markov baselines, reports (DESIGN.md, Evaluation)."""

@@ -1,0 +1,1 @@
+"""megabase.pipeline: the command line; later the training loop, checkpoints and MLflow tracking."""

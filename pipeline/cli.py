@@ -1,0 +1,126 @@
+"""The ``megabase`` command line: each subcommand parses its flags and calls one library function.
+
+Bad input (:class:`megabase.data.InputError`) is printed as one line on stderr with exit status 2;
+Ctrl-C exits with 130. Heavy imports (torch, datasets) happen inside the subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from megabase.data.errors import InputError
+
+from . import summary
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from megabase.data import default_genome, prepare
+
+    fasta = Path(args.fasta) if args.fasta else Path(str(default_genome()))
+    chroms = [c for spec in args.chroms or [] for c in spec.split(",") if c]
+    result = prepare(fasta, args.out, chroms=chroms or None, progress=not args.quiet)
+    summary.print_prepare(fasta, result)
+
+
+def cmd_windows(args: argparse.Namespace) -> None:
+    from megabase.data import TokenStore, make_windows, write_bed
+    from megabase.data.windows import parse_split
+
+    store = TokenStore(args.store)
+    splits: dict[str, list[str]] = {}
+    for spec in args.split:
+        name, regions = parse_split(spec)
+        splits.setdefault(name, []).extend(regions)
+    windows, per_split = make_windows(
+        store, splits, args.length, stride=args.stride, max_n_frac=args.max_n_frac,
+        on_short=args.short,
+    )
+    if not windows:
+        raise InputError("every window was dropped; raise --max-n-frac or choose other regions",
+                         store.path)
+    out = Path(args.out) if args.out else store.path / f"windows-{args.length}.bed"
+    split_text = ";".join(k + "=" + ",".join(v) for k, v in splits.items())
+    comment = (
+        f"megabase windows store={store.path.resolve()} length={args.length} "
+        f"stride={args.stride or args.length} max_n_frac={args.max_n_frac} splits={split_text}"
+    )
+    write_bed(out, windows, comment)
+    summary.print_windows(out, args.length, per_split)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from megabase.data import to_hf_dataset
+
+    started = time.perf_counter()
+    ds = to_hf_dataset(args.store, args.windows, split=args.split, cache_dir=args.cache_dir)
+    ds.save_to_disk(args.out)
+    print(f"exported {len(ds):,} windows to {args.out} ({time.perf_counter() - started:.1f} s); "
+          f"load with datasets.load_from_disk({str(args.out)!r})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megabase",
+        description="Train and evaluate DNA language models on megabase-long windows.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help="FASTA -> token store (tokens + repeat mask + manifest)")
+    p.add_argument("fasta", nargs="?", help="plain/gzip/bgzip FASTA (default: the bundled genome)")
+    p.add_argument("--out", required=True, help="token store directory to write")
+    p.add_argument("--chroms", action="append", metavar="NAMES",
+                   help="comma-separated records to keep (chr1 and 1 both match); default all")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("windows", help="token store -> BED of train/eval windows")
+    p.add_argument("store", help="token store directory (from `megabase prepare`)")
+    p.add_argument("--length", type=_positive_int, required=True, help="window length in bases")
+    p.add_argument("--split", action="append", required=True, metavar="NAME=REGIONS",
+                   help="e.g. train=chr01,chr02 or eval=chr22:1-400,000 (repeatable)")
+    p.add_argument("--stride", type=_positive_int, default=None, help="default: --length")
+    p.add_argument("--max-n-frac", type=float, default=0.5,
+                   help="drop windows with a larger fraction of N (default 0.5)")
+    p.add_argument("--short", choices=("keep", "refuse"), default="keep",
+                   help="a record shorter than --length: one shorter window, or an error")
+    p.add_argument("--out", help="BED file to write (default STORE/windows-LENGTH.bed)")
+    p.set_defaults(func=cmd_windows)
+
+    p = sub.add_parser("export", help="windows -> Hugging Face datasets.Dataset on disk")
+    p.add_argument("store", help="token store directory")
+    p.add_argument("--windows", required=True, help="BED file of windows")
+    p.add_argument("--split", help="export only this split")
+    p.add_argument("--out", required=True, help="directory for Dataset.save_to_disk")
+    p.add_argument("--cache-dir", help="where datasets writes its Arrow cache")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except InputError as exc:
+        print(f"megabase {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megabase {args.command}: interrupted; nothing half-written was kept", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
