@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -28,12 +29,21 @@ _MAGIC = {
 }
 
 
+class RecordSink(Protocol):
+    """Receives a record's chunks in order (on the worker thread), then is closed once."""
+
+    def write(self, tokens: bytes, mask: np.ndarray) -> None: ...
+
+    def close(self, record: "Record") -> None: ...
+
+
 @dataclass
 class Record:
     """One FASTA record, tokenized.
 
-    ``tokens`` and ``mask`` are lists of chunks (``bytes`` of token ids, ``bool`` arrays) so a large
-    record is never copied into one buffer just to be written out again.
+    Without a sink, ``tokens`` and ``mask`` hold the record as chunks (``bytes`` of token ids,
+    ``bool`` arrays), so a large record is never copied into one buffer. With a sink they stay
+    empty: the chunks went to ``sink`` as they were read.
     """
 
     name: str
@@ -46,6 +56,7 @@ class Record:
     tokens: list[bytes] = field(default_factory=list)
     mask: list[np.ndarray] = field(default_factory=list)
     _sha: "hashlib._Hash" = field(default_factory=hashlib.sha256, repr=False)
+    sink: RecordSink | None = field(default=None, repr=False)
     _pending: list[Future] = field(default_factory=list, repr=False)
 
     @property
@@ -124,6 +135,7 @@ def read_fasta(
     path: str | Path,
     keep: Callable[[str], bool] | None = None,
     on_read: Callable[[int], None] | None = None,
+    sink: Callable[[Record], RecordSink] | None = None,
 ) -> Iterator[Record]:
     """Yield the records of a FASTA file, tokenized.
 
@@ -131,6 +143,8 @@ def read_fasta(
         path: plain, gzip or bgzip FASTA. Any line width, CRLF, blank lines, lower case, IUPAC.
         keep: called with each record name; records it rejects are skipped (not tokenized).
         on_read: called with the number of (compressed) bytes consumed, for progress bars.
+        sink: called when a kept record starts; its result receives the record's chunks as they
+            are read and is closed before the record is yielded, so memory stays at one chunk.
 
     Yields:
         :class:`Record` with token chunks, mask chunks and counts. Names must be unique.
@@ -151,30 +165,40 @@ def read_fasta(
     # Checksums and counts run on a worker thread (hashlib and numpy release the GIL) while this
     # thread splits and translates the next block and ISA-L decompresses the one after.
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megabase-fasta")
-    parser = _Parser(path, keep, pool)
+    parser = _Parser(path, keep, pool, sink)
     try:
         with raw, stream:
-            carry = b""
-            while True:
-                chunk = stream.read(CHUNK)
-                if not chunk:
-                    break
-                data = carry + chunk if carry else chunk
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:
-                    carry = data
-                    continue
-                carry = data[cut:]
-                yield from parser.feed(data[:cut])
-            if carry:
-                yield from parser.feed(carry + b"\n")
+            for block in _line_blocks(stream, path, parser):
+                yield from parser.feed(block)
         yield from parser.finish()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
+    """Decompressed data in blocks that end at a line end; decompression errors become InputError.
+
+    Errors raised by the consumer of this generator (a full disk, say) do not pass through here.
+    """
+    carry = b""
+    try:
+        while True:
+            chunk = stream.read(CHUNK)
+            if not chunk:
+                break
+            data = carry + chunk if carry else chunk
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                carry = data
+                continue
+            carry = data[cut:]
+            yield data[:cut]
     except EOFError:
         raise InputError(parser.where("gzip stream is truncated (file ends early)"), path) from None
     except _decompress_errors() as exc:
         raise InputError(parser.where(f"corrupt compressed data ({exc})"), path) from None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    if carry:
+        yield carry + b"\n"
 
 
 def _chunk_stats(record: Record, seq: bytes, tokens: bytes, mask: np.ndarray, offset: int):
@@ -183,6 +207,8 @@ def _chunk_stats(record: Record, seq: bytes, tokens: bytes, mask: np.ndarray, of
     if bad >= 0:
         return (offset + bad, seq[bad])
     record._sha.update(tokens)
+    if record.sink is not None:
+        record.sink.write(tokens, mask)
     arr = np.frombuffer(tokens, dtype=np.uint8)
     record.n_count += int(np.count_nonzero(arr == 4))
     record.gc_count += int(np.count_nonzero(arr == 1)) + int(np.count_nonzero(arr == 2))
@@ -193,8 +219,8 @@ def _chunk_stats(record: Record, seq: bytes, tokens: bytes, mask: np.ndarray, of
 class _Parser:
     """Line-aligned blocks in, complete records out."""
 
-    def __init__(self, path: Path, keep: Callable[[str], bool] | None, pool: ThreadPoolExecutor):
-        self.path, self.keep, self.pool = path, keep, pool
+    def __init__(self, path: Path, keep, pool: ThreadPoolExecutor, sink):
+        self.path, self.keep, self.pool, self.sink = path, keep, pool, sink
         self.record: Record | None = None
         self.skipping = False
         self.seen: dict[str, int] = {}
@@ -248,6 +274,8 @@ class _Parser:
         self.seen[name] = self.count
         self.record = Record(name=name, description=description.strip(), index=self.count - 1)
         self.skipping = self.keep is not None and not self.keep(name)
+        if self.sink is not None and not self.skipping:
+            self.record.sink = self.sink(self.record)
         return done
 
     def _sequence(self, raw: bytes) -> None:
@@ -273,8 +301,9 @@ class _Parser:
         record._pending.append(
             self.pool.submit(_chunk_stats, record, seq, tokens, mask, record.length)
         )
-        record.tokens.append(tokens)
-        record.mask.append(mask)
+        if record.sink is None:
+            record.tokens.append(tokens)
+            record.mask.append(mask)
         record.length += len(tokens)
 
     def _complete(self, record: Record) -> Record:
@@ -284,6 +313,8 @@ class _Parser:
                 self.record = record
                 self._invalid(*bad)
         record._pending.clear()
+        if record.sink is not None:
+            record.sink.close(record)
         return record
 
     def _invalid(self, offset: int, byte: int):

@@ -76,12 +76,34 @@ def _safe_filename(name: str, taken: set[str]) -> str:
     return stem
 
 
-def _write_npy(path: Path, chunks, dtype: str, length: int) -> None:
-    with open(path, "wb") as fh:
-        header = {"descr": dtype, "fortran_order": False, "shape": (length,)}
-        np.lib.format.write_array_header_1_0(fh, header)
-        for chunk in chunks:
-            fh.write(chunk)
+NPY_HEADER = 128
+
+
+def _npy_header(descr: str, length: int) -> bytes:
+    """A version-1.0 ``.npy`` header of fixed size, so it can be rewritten once the length is known."""
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({length},), }}"
+    body = text.ljust(NPY_HEADER - 10 - 1) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin-1")
+
+
+class _RecordFiles:
+    """Token and mask ``.npy`` files of one record, written chunk by chunk as the FASTA is read."""
+
+    def __init__(self, root: Path, stem: str):
+        self.tokens, self.mask = f"records/{stem}.tokens.npy", f"records/{stem}.mask.npy"
+        self._files = [open(root / self.tokens, "wb"), open(root / self.mask, "wb")]
+        for fh, descr in zip(self._files, ("|u1", "|b1")):
+            fh.write(_npy_header(descr, 0))
+
+    def write(self, tokens: bytes, mask: np.ndarray) -> None:
+        self._files[0].write(tokens)
+        self._files[1].write(mask)
+
+    def close(self, record: Record) -> None:
+        for fh, descr in zip(self._files, ("|u1", "|b1")):
+            fh.seek(0)
+            fh.write(_npy_header(descr, record.length))
+            fh.close()
 
 
 def _existing_manifest(out: Path) -> dict | None:
@@ -192,22 +214,22 @@ def _write_records(
         return wanted is None or name in wanted
 
     taken: set[str] = set()
+
+    def sink(rec: Record) -> _RecordFiles:
+        return _RecordFiles(tmp, _safe_filename(rec.name, taken))
+
     records = []
     with tqdm(
         total=size, unit="B", unit_scale=True, desc=f"prepare {fasta.name}",
         disable=None if progress else True, leave=False,
     ) as bar:
-        for rec in read_fasta(fasta, keep=keep, on_read=bar.update):
-            records.append(_write_record(rec, tmp, taken))
+        for rec in read_fasta(fasta, keep=keep, on_read=bar.update, sink=sink):
+            records.append(_manifest_entry(rec))
             bar.set_postfix_str(rec.name, refresh=False)
     return records, seen
 
 
-def _write_record(rec: Record, tmp: Path, taken: set[str]) -> dict:
-    stem = _safe_filename(rec.name, taken)
-    tokens, mask = f"records/{stem}.tokens.npy", f"records/{stem}.mask.npy"
-    _write_npy(tmp / tokens, rec.tokens, "|u1", rec.length)
-    _write_npy(tmp / mask, rec.mask, "|b1", rec.length)
+def _manifest_entry(rec: Record) -> dict:
     return {
         "name": rec.name,
         "description": rec.description,
@@ -215,8 +237,8 @@ def _write_record(rec: Record, tmp: Path, taken: set[str]) -> dict:
         "n_count": rec.n_count,
         "softmasked": rec.softmasked,
         "gc_count": rec.gc_count,
-        "tokens": tokens,
-        "mask": mask,
+        "tokens": rec.sink.tokens,
+        "mask": rec.sink.mask,
         "tokens_sha256": rec.tokens_sha256,
     }
 
@@ -278,7 +300,9 @@ class TokenStore:
             rec = self.records[self.resolve(name)]
             path = self.path / rec[kind]
             try:
-                arr = np.load(path, mmap_mode="r")
+                # Copy-on-write: slices are writable (torch.from_numpy takes them without a copy
+                # or a warning) and a write lands in private memory, never in the store.
+                arr = np.load(path, mmap_mode="c")
             except (OSError, ValueError) as exc:
                 raise InputError(f"cannot read {rec[kind]} ({exc})", self.path, rec["name"]) from None
             if arr.shape != (rec["length"],):
@@ -288,11 +312,11 @@ class TokenStore:
         return self._maps[key]
 
     def tokens(self, name: str) -> np.ndarray:
-        """Read-only memory map, ``uint8 [length]``."""
+        """Memory map (copy-on-write), ``uint8 [length]``."""
         return self._array(name, "tokens")
 
     def mask(self, name: str) -> np.ndarray:
-        """Read-only memory map, ``bool [length]``: True for soft-masked (repeat) bases."""
+        """Memory map (copy-on-write), ``bool [length]``: True for soft-masked (repeat) bases."""
         return self._array(name, "mask")
 
     def fetch(self, name: str, start: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -302,6 +326,21 @@ class TokenStore:
         if not 0 <= start <= end <= length:
             raise InputError(f"interval [{start}, {end}) is outside 0..{length}", self.path, name)
         return np.array(self.tokens(name)[start:end]), np.array(self.mask(name)[start:end])
+
+    def tensors(self, name: str, start: int = 0, end: int | None = None):
+        """Tokens (``torch.uint8 [n]``) and repeat mask (``torch.bool [n]``) of ``[start, end)``.
+
+        Zero-copy: the tensors are views of the memory map, so reading a window costs no copy and
+        touches only its pages; writing to them never reaches the store (copy-on-write).
+        """
+        import torch
+
+        length = self.length(name)
+        end = length if end is None else end
+        if not 0 <= start <= end <= length:
+            raise InputError(f"interval [{start}, {end}) is outside 0..{length}", self.path, name)
+        return (torch.from_numpy(self.tokens(name)[start:end]),
+                torch.from_numpy(self.mask(name)[start:end]))
 
     def verify(self) -> None:
         """Recompute every record's token checksum; raise :class:`InputError` on a mismatch."""

@@ -63,7 +63,7 @@ def parse_split(spec: str) -> tuple[str, list[str]]:
     for part in value.split(","):
         part = part.strip()
         if items and ":" in items[-1] and items[-1][-1].isdigit() and _THOUSANDS.match(part):
-            items[-1] += part
+            items[-1] += "," + part
         elif part:
             items.append(part)
     return name.strip(), items

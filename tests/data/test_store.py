@@ -107,14 +107,14 @@ def test_failure_mid_write_leaves_nothing_and_keeps_old_store(tmp_path, monkeypa
     out = tmp_path / "store"
     prepare(fasta, out, chroms=["a"], progress=False)
     old_manifest = (out / "manifest.json").read_text()
-    real = store_mod._write_record
+    real = store_mod._RecordFiles.write
 
-    def failing(rec, tmp, taken):
-        if rec.name == "b":  # the second record
+    def failing(self, tokens, mask):
+        if "/b." in self.tokens:  # the second record
             raise exc("disk full")
-        return real(rec, tmp, taken)
+        return real(self, tokens, mask)
 
-    monkeypatch.setattr(store_mod, "_write_record", failing)
+    monkeypatch.setattr(store_mod._RecordFiles, "write", failing)
     with pytest.raises(exc):
         prepare(fasta, out, progress=False)
     assert (out / "manifest.json").read_text() == old_manifest

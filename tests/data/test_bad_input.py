@@ -1,0 +1,176 @@
+"""Every bad input gets one line naming file, record and problem, exit status 2, and no partial store."""
+
+import gzip
+import lzma
+
+import pytest
+
+from megabase.pipeline.cli import main
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def assert_clean_failure(code, err, tmp_path, *needles, out=None):
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("megabase ")
+    for needle in needles:
+        assert needle in err, (needle, err)
+    leftovers = [p.name for p in tmp_path.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
+    assert leftovers == []
+    if out is not None:
+        assert not out.exists()
+
+
+def test_missing_file(tmp_path, capsys):
+    code, err = run(capsys, "prepare", tmp_path / "nope.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "nope.fa", "no such file", out=tmp_path / "s")
+
+
+def test_empty_file(tmp_path, capsys):
+    (tmp_path / "e.fa").write_bytes(b"")
+    code, err = run(capsys, "prepare", tmp_path / "e.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "e.fa", "file is empty", out=tmp_path / "s")
+
+
+def test_empty_gzip(tmp_path, capsys):
+    (tmp_path / "e.fa.gz").write_bytes(gzip.compress(b""))
+    code, err = run(capsys, "prepare", tmp_path / "e.fa.gz", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "e.fa.gz", "no '>' header", out=tmp_path / "s")
+
+
+def test_not_fasta(tmp_path, capsys):
+    (tmp_path / "r.fq").write_text("@read1\nACGT\n+\nIIII\n")
+    code, err = run(capsys, "prepare", tmp_path / "r.fq", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "r.fq", "not FASTA", "@read1", out=tmp_path / "s")
+
+
+def test_binary_file(tmp_path, capsys):
+    (tmp_path / "x.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    code, err = run(capsys, "prepare", tmp_path / "x.png", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "x.png", "not FASTA", out=tmp_path / "s")
+
+
+def test_other_compression(tmp_path, capsys):
+    (tmp_path / "g.fa.xz").write_bytes(lzma.compress(b">a\nACGT\n"))
+    code, err = run(capsys, "prepare", tmp_path / "g.fa.xz", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "g.fa.xz", "xz-compressed", out=tmp_path / "s")
+
+
+def test_truncated_gzip(tmp_path, capsys, umaydis):
+    data = umaydis.read_bytes()
+    (tmp_path / "t.fa.gz").write_bytes(data[: len(data) // 2])
+    code, err = run(capsys, "prepare", tmp_path / "t.fa.gz", "--out", tmp_path / "s", "--quiet")
+    assert_clean_failure(code, err, tmp_path, "t.fa.gz", "truncated", "in record 'chr", out=tmp_path / "s")
+
+
+def test_corrupt_gzip(tmp_path, capsys, umaydis):
+    data = bytearray(umaydis.read_bytes()[:3_000_000])
+    data[200_000:200_100] = b"x" * 100
+    (tmp_path / "c.fa.gz").write_bytes(bytes(data))
+    code, err = run(capsys, "prepare", tmp_path / "c.fa.gz", "--out", tmp_path / "s", "--quiet")
+    assert_clean_failure(code, err, tmp_path, "c.fa.gz", "corrupt", out=tmp_path / "s")
+
+
+def test_duplicate_record_names(tmp_path, capsys):
+    (tmp_path / "d.fa").write_text(">chr1\nACGT\n>chr2\nAC\n>chr1 again\nGG\n")
+    code, err = run(capsys, "prepare", tmp_path / "d.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "d.fa", "record 'chr1'", "duplicate", "1 and 3",
+                         out=tmp_path / "s")
+
+
+def test_invalid_character(tmp_path, capsys):
+    (tmp_path / "i.fa").write_text(">chr1\nACGT\n>chr2\nAC\nGE\n")
+    code, err = run(capsys, "prepare", tmp_path / "i.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "i.fa", "record 'chr2'", "'E' at base 4",
+                         out=tmp_path / "s")
+
+
+def test_missing_chromosome_suggests_alias(tmp_path, capsys):
+    (tmp_path / "g.fa").write_text(">1\nACGT\n>2\nAC\n>22\nGG\n")
+    code, err = run(capsys, "prepare", tmp_path / "g.fa", "--out", tmp_path / "s", "--chroms", "chr3")
+    assert_clean_failure(code, err, tmp_path, "g.fa", "no record named 'chr3'", "have: 1, 2, 22",
+                         out=tmp_path / "s")
+
+
+def test_out_is_a_foreign_directory(tmp_path, capsys):
+    (tmp_path / "g.fa").write_text(">a\nACGT\n")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("precious")
+    code, err = run(capsys, "prepare", tmp_path / "g.fa", "--out", tmp_path / "home")
+    assert_clean_failure(code, err, tmp_path, "home", "holds no megabase store")
+    assert (tmp_path / "home" / "thesis.tex").read_text() == "precious"
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    from megabase.data import prepare
+
+    (tmp_path / "g.fa").write_text(">chr1\n" + "ACGT" * 250 + "\n>chr2\n" + "N" * 900 + "AC" * 50 + "\n")
+    prepare(tmp_path / "g.fa", tmp_path / "store", progress=False)
+    return tmp_path / "store"
+
+
+def test_sequence_shorter_than_one_window(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "5000", "--split", "eval=chr1",
+                    "--short", "refuse", "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "store", "record 'chr1'", "shorter than one window",
+                         out=tmp_path / "w.bed")
+
+
+def test_windows_unknown_record(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "100", "--split", "train=1,chr7",
+                    "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "no record named 'chr7'", out=tmp_path / "w.bed")
+
+
+def test_windows_region_past_end(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "100", "--split",
+                    "eval=chr1:1-2,000", "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "record 'chr1'", "past the record's end",
+                         out=tmp_path / "w.bed")
+
+
+def test_windows_bad_region_syntax(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "100", "--split",
+                    "eval=chr1:abc", "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "bad region 'chr1:abc'", out=tmp_path / "w.bed")
+
+
+def test_windows_overlapping_splits(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "100", "--split",
+                    "train=chr1:1-600", "--split", "eval=chr1:501-1000", "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "splits overlap", out=tmp_path / "w.bed")
+
+
+def test_windows_all_dropped_for_n(small_store, tmp_path, capsys):
+    code, err = run(capsys, "windows", small_store, "--length", "100", "--split",
+                    "eval=chr2:1-900", "--out", tmp_path / "w.bed")
+    assert_clean_failure(code, err, tmp_path, "every window was dropped", out=tmp_path / "w.bed")
+
+
+def test_windows_missing_store(tmp_path, capsys):
+    code, err = run(capsys, "windows", tmp_path / "nostore", "--length", "100", "--split", "a=chr1")
+    assert_clean_failure(code, err, tmp_path, "nostore", "no token store here")
+
+
+def test_bad_option_value_is_one_clear_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["windows", str(tmp_path), "--length", "-5", "--split", "a=chr1"])
+    assert exc.value.code == 2
+    assert "--length: must be positive, got -5" in capsys.readouterr().err
+
+
+def test_bad_bed(tmp_path):
+    from megabase.data import InputError, read_bed
+
+    (tmp_path / "w.bed").write_text("chr1\t10\t5\ttrain\n")
+    with pytest.raises(InputError, match=r"w\.bed: line 1: need 0 <= start < end"):
+        read_bed(tmp_path / "w.bed")
+    (tmp_path / "w.bed").write_text("#c\tS\tE\nchr1 10 20\n")
+    with pytest.raises(InputError, match=r"line 2: expected CHROM"):
+        read_bed(tmp_path / "w.bed")
