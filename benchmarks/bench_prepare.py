@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,13 +55,19 @@ def main() -> None:
             shutil.rmtree(work / "bio", ignore_errors=True)
 
         exe = shutil.which("megabase", path=str(Path(sys.executable).parent))
-        t_floor = timeit(floor, args.repeat)
-        t_prep = timeit(lambda: prepare(fasta, work / "store", progress=False), args.repeat, fresh)
-        t_cli = timeit(lambda: subprocess.run([exe, "prepare", str(fasta), "--out",
-                                               str(work / "store"), "--quiet"],
-                                              stdout=subprocess.DEVNULL, check=True),
-                       args.repeat, fresh)
-        t_bio = timeit(lambda: biopython_baseline(fasta, work / "bio"), max(1, args.repeat // 2), fresh)
+        runs = {
+            "floor": floor,
+            "prepare": lambda: prepare(fasta, work / "store", progress=False),
+            "cli": lambda: subprocess.run([exe, "prepare", str(fasta), "--out", str(work / "store"),
+                                           "--quiet"], stdout=subprocess.DEVNULL, check=True),
+            "biopython": lambda: biopython_baseline(fasta, work / "bio"),
+        }
+        # Interleaved rounds, so every contender sees the same state of the machine.
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.repeat):
+            for name, fn in runs.items():
+                times[name].append(timeit(fn, 1, fresh))
+        t_floor, t_prep, t_cli, t_bio = (statistics.median(times[k]) for k in runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
