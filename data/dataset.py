@@ -16,7 +16,7 @@ import torch
 from .errors import InputError
 from .store import TokenStore
 from .vocab import N_BASES, PAD, RC_LUT, SEP
-from .windows import Window, read_bed
+from .windows import Window, select_windows
 
 
 class WindowDataset(torch.utils.data.Dataset):
@@ -53,11 +53,7 @@ class WindowDataset(torch.utils.data.Dataset):
         pad_to: int | None = None,
     ):
         self.store = store if isinstance(store, TokenStore) else TokenStore(store)
-        if isinstance(windows, (str, Path)):
-            windows = read_bed(windows, split)
-        elif split is not None:
-            windows = [w for w in windows if w.split == split]
-        self.windows = list(windows)
+        self.windows = select_windows(windows, split)
         if not self.windows:
             raise InputError("no windows to read" + (f" in split {split!r}" if split else ""))
         for w in self.windows:

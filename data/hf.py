@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .store import TokenStore
-from .windows import Window, read_bed
+from .windows import Window, select_windows
 
 
 def to_hf_dataset(
@@ -26,11 +26,7 @@ def to_hf_dataset(
     except ImportError:
         raise InputError("exporting needs the `datasets` package: pip install 'megabase[hf]'") from None
     store = store if isinstance(store, TokenStore) else TokenStore(store)
-    if isinstance(windows, (str, Path)):
-        windows = read_bed(windows, split)
-    elif split is not None:
-        windows = [w for w in windows if w.split == split]
-    rows = [(w.chrom, w.start, w.end, w.split) for w in windows]
+    rows = [(w.chrom, w.start, w.end, w.split) for w in select_windows(windows, split)]
     if not rows:
         raise InputError("no windows to export")
 

@@ -319,12 +319,16 @@ class TokenStore:
         """Memory map (copy-on-write), ``bool [length]``: True for soft-masked (repeat) bases."""
         return self._array(name, "mask")
 
-    def fetch(self, name: str, start: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of tokens and repeat mask for ``[start, end)`` (0-based, half-open)."""
+    def _interval(self, name: str, start: int, end: int | None) -> tuple[int, int]:
         length = self.length(name)
         end = length if end is None else end
         if not 0 <= start <= end <= length:
             raise InputError(f"interval [{start}, {end}) is outside 0..{length}", self.path, name)
+        return start, end
+
+    def fetch(self, name: str, start: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of tokens and repeat mask for ``[start, end)`` (0-based, half-open)."""
+        start, end = self._interval(name, start, end)
         return np.array(self.tokens(name)[start:end]), np.array(self.mask(name)[start:end])
 
     def tensors(self, name: str, start: int = 0, end: int | None = None):
@@ -335,10 +339,7 @@ class TokenStore:
         """
         import torch
 
-        length = self.length(name)
-        end = length if end is None else end
-        if not 0 <= start <= end <= length:
-            raise InputError(f"interval [{start}, {end}) is outside 0..{length}", self.path, name)
+        start, end = self._interval(name, start, end)
         return (torch.from_numpy(self.tokens(name)[start:end]),
                 torch.from_numpy(self.mask(name)[start:end]))
 

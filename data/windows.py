@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +178,13 @@ def write_bed(path: str | Path, windows: list[Window], comment: str | None = Non
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def select_windows(windows: Sequence[Window] | str | Path, split: str | None = None) -> list[Window]:
+    """Windows from a list or a BED path, keeping only ``split`` when given."""
+    if isinstance(windows, (str, Path)):
+        return read_bed(windows, split)
+    return [w for w in windows if split is None or w.split == split]
 
 
 def read_bed(path: str | Path, split: str | None = None) -> list[Window]:

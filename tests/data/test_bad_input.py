@@ -174,3 +174,32 @@ def test_bad_bed(tmp_path):
     (tmp_path / "w.bed").write_text("#c\tS\tE\nchr1 10 20\n")
     with pytest.raises(InputError, match=r"line 2: expected CHROM"):
         read_bed(tmp_path / "w.bed")
+
+
+def test_ctrl_c_leaves_nothing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    fasta = tmp_path / "big.fa"
+    with open(fasta, "wb") as fh:
+        for i in range(4):
+            seq = np.frombuffer(b"ACGTacgtN", np.uint8)[rng.integers(0, 9, 40_000_000)]
+            fh.write(f">chr{i}\n".encode() + seq.tobytes() + b"\n")
+    exe = Path(sys.executable).parent / "megabase"
+    proc = subprocess.Popen([str(exe), "prepare", str(fasta), "--out", str(tmp_path / "store")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".store.tmp-*/records/*")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["megabase prepare: interrupted; nothing half-written was kept"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.fa"]
