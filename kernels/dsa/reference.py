@@ -1,0 +1,200 @@
+"""DeepSeek Sparse Attention in plain PyTorch, memory-bounded: never a T x T tensor.
+
+Conventions of ``fla.ops.dsa.naive_dsa``::
+
+    q [B, T, HQ, D]   k [B, T, H, D]   v [B, T, H, DV]      (GQA: HQ a multiple of H)
+    q_idx [B, T, HI, DI]   k_idx [B, T, DI]   w_idx [B, T, HI] or None
+    indices [B, T, topk]  (int64, padded with -1)
+
+The lightning indexer scores ``I[t, s] = sum_j w[t, j] * relu(scale * q_idx[t, j] . k_idx[s])`` for
+``s <= t`` in query blocks x key blocks, keeping a running top-k per query: peak memory
+O(block_q * (topk + block_k)). Sparse attention gathers the selected keys one query block at a time
+(checkpointed under autograd), so it keeps O(T * topk) indices and nothing quadratic. When
+``T <= topk`` every earlier key is selected and the layer is exactly dense causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+BLOCK_Q = 256
+BLOCK_K = 4096
+
+
+def index_scores(q_idx, k_idx, w_idx, scale):
+    """``[B, Tq, HI, DI] x [B, Tk, DI] -> [B, Tq, Tk]`` weighted-ReLU index scores (fp32)."""
+    s = torch.einsum("bqhd,bkd->bqhk", q_idx.float(), k_idx.float()) * scale
+    s = torch.relu(s)
+    if w_idx is None:
+        return s.sum(2)
+    return torch.einsum("bqhk,bqh->bqk", s, w_idx.float())
+
+
+@torch.no_grad()
+def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
+                block_q: int = BLOCK_Q, block_k: int = BLOCK_K, offset: int = 0):
+    """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
+
+    Selection is by score, ties going to the most recent key (a total order: any blocking of the
+    keys gives the same set).
+
+    Args:
+        keep_recent: always select the ``keep_recent`` most recent keys (``t - r < s <= t``).
+        offset: position of the first query within the keys (for streaming: keys ``[0, offset + Tq)``
+            are ``k_idx``, queries are the last ``Tq`` positions).
+    """
+    B, Tq, HI, DI = q_idx.shape
+    Tk = k_idx.shape[1]
+    scale = DI**-0.5 if scale is None else scale
+    out = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q_idx.device)
+    for q0 in range(0, Tq, block_q):
+        q1 = min(q0 + block_q, Tq)
+        pos = torch.arange(q0, q1, device=q_idx.device) + offset
+        best_v = torch.full((B, q1 - q0, 0), float("-inf"), device=q_idx.device)
+        best_i = torch.zeros((B, q1 - q0, 0), dtype=torch.long, device=q_idx.device)
+        for k0 in range(0, min(offset + q1, Tk), block_k):
+            k1 = min(k0 + block_k, offset + q1, Tk)
+            keys = torch.arange(k0, k1, device=q_idx.device)
+            s = index_scores(q_idx[:, q0:q1], k_idx[:, k0:k1], w_idx[:, q0:q1] if w_idx is not None
+                             else None, scale)
+            s = s.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+            if keep_recent:
+                recent = keys[None, None, :] > pos[None, :, None] - keep_recent
+                s = s.masked_fill(recent & (keys[None, None, :] <= pos[None, :, None]), float("inf"))
+            best_v, best_i = _merge_topk(torch.cat([best_v, s], dim=-1),
+                                         torch.cat([best_i, keys.expand(B, q1 - q0, -1)], dim=-1),
+                                         topk, Tk)
+        best_i = best_i.masked_fill(best_v == float("-inf"), -1)
+        best_i = best_i.where(best_i >= 0, Tk).sort(-1).values  # ascending positions, -1 last
+        out[:, q0:q1, : best_i.shape[-1]] = best_i.masked_fill(best_i == Tk, -1)
+    return out
+
+
+def _merge_topk(values, index, topk: int, n_keys: int):
+    """The top ``topk`` candidates under the total order (score desc, position desc).
+
+    Ties are broken toward the most recent key, so the selection does not depend on how keys were
+    split into blocks (streaming and full passes select the same keys). Returns (values, index).
+    """
+    if values.shape[-1] <= topk:
+        return values, index
+    tau = values.topk(topk, dim=-1).values[..., -1:]
+    at_tau = 1.0 + index.double() / (n_keys + 1)
+    rank = torch.where(values > tau, 2.0, torch.where(values == tau, at_tau, 0.0))
+    sel = rank.topk(topk, dim=-1).indices
+    return values.gather(-1, sel), index.gather(-1, sel)
+
+
+def _gather(x, idx):
+    """``x [B, T, H, D]``, ``idx [B, Tq, K]`` (>= 0) -> ``[B, Tq, K, H, D]``."""
+    B = x.shape[0]
+    return x[torch.arange(B, device=x.device)[:, None, None], idx]
+
+
+def _attend_block(q, k, v, idx, scale):
+    """Softmax attention of ``q [B, bq, HQ, D]`` over the keys ``idx [B, bq, K]`` selects.
+
+    Returns ``(o [B, bq, HQ, DV], probs [B, bq, HQ, K])``.
+    """
+    B, bq, HQ, D = q.shape
+    H = k.shape[2]
+    valid = idx >= 0
+    ks, vs = _gather(k, idx.clamp(min=0)), _gather(v, idx.clamp(min=0))
+    qg = q.reshape(B, bq, H, HQ // H, D)
+    scores = torch.einsum("bqhgd,bqkhd->bqhgk", qg, ks) * scale
+    scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    p = scores.softmax(-1)
+    o = torch.einsum("bqhgk,bqkhd->bqhgd", p, vs)
+    return o.reshape(B, bq, HQ, -1), p.reshape(B, bq, HQ, -1)
+
+
+def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q, offset: int = 0,
+                     return_probs: bool = False):
+    """Attention of each query over its selected keys only: ``o [B, Tq, HQ, DV]`` (dtype of q).
+
+    ``k, v`` hold every key ``[0, offset + Tq)``; ``indices`` index into them. With autograd on,
+    each query block is checkpointed (recomputed in backward). ``return_probs`` also returns the
+    head-summed, L1-normalised attention over the selected keys ``[B, Tq, topk]`` (detached), the
+    target of the sparse indexer loss.
+    """
+    HQ, H = q.shape[2], k.shape[2]
+    if HQ % H:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = q.dtype
+    qf, kf, vf = q.float(), k.float(), v.float()
+    outs, probs = [], []
+    for q0 in range(0, q.shape[1], block_q):
+        q1 = min(q0 + block_q, q.shape[1])
+        args = (qf[:, q0:q1], kf, vf, indices[:, q0:q1], scale)
+        if torch.is_grad_enabled() and q.shape[1] > block_q:
+            o, p = checkpoint(_attend_block, *args, use_reentrant=False)
+        else:
+            o, p = _attend_block(*args)
+        outs.append(o)
+        if return_probs:
+            p = p.detach().sum(2)
+            probs.append(p / p.sum(-1, keepdim=True).clamp_min(1e-30))
+    o = torch.cat(outs, dim=1).to(dtype)
+    return (o, torch.cat(probs, dim=1)) if return_probs else o
+
+
+def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048, scale=None,
+                  indices=None, return_indices: bool = False, keep_recent: int = 0,
+                  block_q: int = BLOCK_Q):
+    """DSA: the indexer picks ``topk`` keys per query (unless ``indices`` are given), then sparse
+    softmax attention over them. Returns ``o`` or ``(o, indices)``."""
+    if indices is None:
+        if q_idx is None or k_idx is None:
+            raise ValueError("dsa_attention needs q_idx and k_idx, or precomputed indices")
+        indices = dsa_indexer(q_idx, k_idx, w_idx, topk, keep_recent=keep_recent, block_q=block_q)
+    o = sparse_attention(q, k, v, indices, scale, block_q)
+    return (o, indices) if return_indices else o
+
+
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None):
+    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
+
+    ``target [B, T, topk]``: head-summed, L1-normalised main attention over the same selection.
+    Pass ``q_idx/k_idx/w_idx`` computed from a detached layer input, so only the indexer learns.
+    """
+    scale = q_idx.shape[-1] ** -0.5 if scale is None else scale
+    valid = indices >= 0
+    ks = _gather(k_idx[:, :, None, :], indices.clamp(min=0))[:, :, :, 0]  # [B, T, topk, DI]
+    s = torch.relu(torch.einsum("bqhd,bqkd->bqhk", q_idx.float(), ks.float()) * scale)
+    s = s.sum(2) if w_idx is None else torch.einsum("bqhk,bqh->bqk", s, w_idx.float())
+    logq = s.masked_fill(~valid, float("-inf")).log_softmax(-1)
+    p = target.masked_fill(~valid, 0.0)
+    kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
+    return kl.mean()
+
+
+def indexer_kl_dense(q, k, q_idx, k_idx, w_idx=None, scale=None, index_scale=None,
+                     block_q: int = BLOCK_Q):
+    """Dense warm-up loss ``KL(p_t || softmax(I_t))`` over all ``s <= t``, one query block at a time.
+
+    ``p_t`` is the main heads' causal attention (detached), head-summed and L1-normalised. Memory per
+    block: ``block_q * T`` scores; use on warm-up lengths, not at 1M tokens.
+    """
+    B, T, HQ, D = q.shape
+    H = k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    index_scale = q_idx.shape[-1] ** -0.5 if index_scale is None else index_scale
+    keys = torch.arange(T, device=q.device)
+    total = q.new_zeros((), dtype=torch.float)
+    for q0 in range(0, T, block_q):
+        q1 = min(q0 + block_q, T)
+        causal = keys[None, :] <= torch.arange(q0, q1, device=q.device)[:, None]
+        with torch.no_grad():
+            qg = q[:, q0:q1].float().reshape(B, q1 - q0, H, HQ // H, D)
+            att = torch.einsum("bqhgd,bkhd->bqhgk", qg, k.float()) * scale
+            att = att.masked_fill(~causal[None, :, None, None], float("-inf")).softmax(-1)
+            p = att.sum((2, 3))
+            p = p / p.sum(-1, keepdim=True)
+        s = index_scores(q_idx[:, q0:q1], k_idx, None if w_idx is None else w_idx[:, q0:q1],
+                         index_scale)
+        logq = s.masked_fill(~causal[None], float("-inf")).log_softmax(-1)
+        kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p))
+        total = total + kl.sum()
+    return total / (B * T)

@@ -1,0 +1,38 @@
+"""Kimi Delta Attention: plain-PyTorch reference (recurrent + chunkwise) and the CUDA dispatch.
+
+``kda_chunk`` runs ``fla.ops.kda.chunk_kda`` on CUDA tensors (when ``flash-linear-attention`` is
+installed) and the vectorised PyTorch chunk form everywhere else; ``backend="torch"`` forces the
+reference. Shapes and math: :mod:`megabase.kernels.kda.reference`.
+"""
+
+from __future__ import annotations
+
+from .reference import kda_chunk as kda_chunk_torch
+from .reference import kda_recurrent
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              backend: str = "auto"):
+    """Chunkwise KDA: ``(q, k [B,T,H,K], v [B,T,HV,V], g [B,T,HV,K], beta [B,T,HV]) -> (o, state)``."""
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
+    if backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available()):
+        from fla.ops.kda import chunk_kda
+
+        o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state)
+        return o, state
+    return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def _fla_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("fla.ops.kda") is not None and importlib.util.find_spec(
+            "triton") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+__all__ = ["kda_chunk", "kda_chunk_torch", "kda_recurrent"]

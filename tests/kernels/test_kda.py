@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from megabase.kernels.kda import kda_chunk, kda_chunk_torch, kda_recurrent
+from tests.fla_oracle import fla_naive
+from tests.kernels.tolerances import assert_close
+
+# (B, T, H, HV, K, V): odd lengths, T < chunk, T not a multiple of 64, non-power-of-2 dims, GQA.
+SHAPES = [
+    (1, 1, 1, 1, 8, 8),
+    (2, 63, 2, 4, 16, 8),
+    (1, 65, 1, 1, 12, 20),
+    (1, 200, 3, 3, 24, 16),
+    (2, 131, 1, 2, 32, 32),
+]
+
+
+def make(B, T, H, HV, K, V, seed=0, strong_decay=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    # The model's gate lies in (-5, 0); strong_decay also covers gates far below that.
+    g = -5 * torch.rand(B, T, HV, K, generator=gen) * (4 if strong_decay else 1)
+    beta = torch.rand(B, T, HV, generator=gen)
+    s0 = torch.randn(B, HV, K, V, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, g, beta, s0)]
+
+
+def run(fn, xs, **kw):
+    o, s = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
+    loss = (o * torch.linspace(-1, 1, o.shape[-1])).sum() + s.square().sum() * 0.1
+    grads = torch.autograd.grad(loss, xs)
+    return o, s, grads
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strong_decay", [False, True])
+def test_chunk_matches_recurrent(shape, strong_decay):
+    xs = make(*shape, strong_decay=strong_decay)
+    o1, s1, g1 = run(kda_recurrent, xs)
+    o2, s2, g2 = run(kda_chunk, xs)
+    assert_close(o2, o1, "o")
+    assert_close(s2, s1, "final state")
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g2, g1):
+        assert_close(a, b, name)
+
+
+def test_checkpointed_segments_match_one_segment():
+    xs = make(1, 300, 2, 2, 16, 16, seed=3)
+    o1, s1, g1 = run(kda_chunk_torch, xs, segment=10**6)
+    o2, s2, g2 = run(kda_chunk_torch, xs, segment=128)
+    assert_close(o2, o1, "o")
+    assert_close(s2, s1, "state")
+    for a, b in zip(g2, g1):
+        assert_close(a, b, "grad")
+
+
+def test_split_sequence_with_carried_state_equals_whole():
+    q, k, v, g, beta, s0 = make(2, 157, 2, 2, 16, 8, seed=1)
+    whole, s_whole = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    cut = 70
+    a, s_mid = kda_chunk(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut],
+                         initial_state=s0, output_final_state=True)
+    b, s_end = kda_chunk(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
+                         initial_state=s_mid, output_final_state=True)
+    assert_close(torch.cat([a, b], 1), whole, "o")
+    assert_close(s_end, s_whole, "state")
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 1, 2, 16, 16), (2, 128, 2, 2, 8, 12)])
+def test_against_fla_naive(shape):
+    naive = fla_naive("kda")
+    xs = make(*shape, seed=5)
+    o_ref, s_ref = naive.naive_recurrent_kda(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o_chunk, s_chunk = naive.naive_chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o, s = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o_rec, _ = kda_recurrent(*xs[:5], initial_state=xs[5])
+    for got in (o, o_rec):
+        assert_close(got, o_ref, "o vs fla naive_recurrent_kda")
+    assert_close(o, o_chunk, "o vs fla naive_chunk_kda")
+    assert_close(s, s_ref, "state vs fla")
+
+
+def test_empty_and_unknown_backend():
+    xs = make(1, 0, 1, 1, 8, 8)
+    o, s = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert o.shape == (1, 0, 1, 8) and torch.equal(s, xs[5].detach())
+    with pytest.raises(ValueError, match="backend"):
+        kda_chunk(*xs[:5], backend="cuda-magic")
