@@ -1,1 +1,17 @@
-"""megabase.model: config dataclasses and presets, KDA / DSA / MoE layers, the hybrid LM (DESIGN.md, Model)."""
+"""megabase.model: config and presets, KDA / DSA / MoE layers, the hybrid LM, the streaming scorer."""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .lm import HybridLM, LMOutput, log_probs
+from .presets import PRESETS, get_preset, parameter_counts
+
+
+def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
+    """A freshly initialised :class:`HybridLM` from a preset name (or config) and field overrides."""
+    cfg = preset.replace(**overrides) if isinstance(preset, ModelConfig) else get_preset(preset, **overrides)
+    return HybridLM(cfg)
+
+
+__all__ = ["ModelConfig", "HybridLM", "LMOutput", "log_probs", "PRESETS", "get_preset",
+           "parameter_counts", "build_model"]

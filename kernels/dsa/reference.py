@@ -48,30 +48,44 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     Tk = k_idx.shape[1]
     scale = DI**-0.5 if scale is None else scale
     out = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q_idx.device)
+    # Blocks are zero-padded to block_q queries x block_k keys: fixed shapes, so a score is
+    # bit-for-bit the same whatever the sequence length (streaming and full passes agree).
+    q_pad = _pad_rows(q_idx, block_q)
+    w_pad = None if w_idx is None else _pad_rows(w_idx, block_q)
+    k_pad = _pad_rows(k_idx, block_k)
     for q0 in range(0, Tq, block_q):
         q1 = min(q0 + block_q, Tq)
-        pos = torch.arange(q0, q1, device=q_idx.device) + offset
-        best_v = torch.full((B, q1 - q0, 0), float("-inf"), device=q_idx.device)
-        best_i = torch.zeros((B, q1 - q0, 0), dtype=torch.long, device=q_idx.device)
+        pos = torch.arange(q0, q0 + block_q, device=q_idx.device) + offset
+        best_v = torch.full((B, block_q, 0), float("-inf"), device=q_idx.device)
+        best_i = torch.zeros((B, block_q, 0), dtype=torch.long, device=q_idx.device)
         for k0 in range(0, min(offset + q1, Tk), block_k):
-            k1 = min(k0 + block_k, offset + q1, Tk)
-            keys = torch.arange(k0, k1, device=q_idx.device)
-            s = index_scores(q_idx[:, q0:q1], k_idx[:, k0:k1], w_idx[:, q0:q1] if w_idx is not None
-                             else None, scale)
-            s = s.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+            keys = torch.arange(k0, k0 + block_k, device=q_idx.device)
+            s = index_scores(q_pad[:, q0 : q0 + block_q], k_pad[:, k0 : k0 + block_k],
+                             None if w_pad is None else w_pad[:, q0 : q0 + block_q], scale)
+            invisible = (keys[None, :] > pos[:, None]) | (keys[None, :] >= Tk)
+            s = s.masked_fill(invisible[None], float("-inf"))
             if keep_recent:
-                recent = keys[None, None, :] > pos[None, :, None] - keep_recent
-                s = s.masked_fill(recent & (keys[None, None, :] <= pos[None, :, None]), float("inf"))
+                recent = (keys[None, :] > pos[:, None] - keep_recent) & ~invisible
+                s = s.masked_fill(recent[None], float("inf"))
             best_v, best_i = _merge_topk(torch.cat([best_v, s], dim=-1),
-                                         torch.cat([best_i, keys.expand(B, q1 - q0, -1)], dim=-1),
-                                         topk, Tk)
+                                         torch.cat([best_i, keys.expand(B, block_q, -1)], dim=-1),
+                                         topk)
         best_i = best_i.masked_fill(best_v == float("-inf"), -1)
         best_i = best_i.where(best_i >= 0, Tk).sort(-1).values  # ascending positions, -1 last
+        best_i = best_i[:, : q1 - q0]
         out[:, q0:q1, : best_i.shape[-1]] = best_i.masked_fill(best_i == Tk, -1)
     return out
 
 
-def _merge_topk(values, index, topk: int, n_keys: int):
+def _pad_rows(x, multiple: int):
+    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
+    pad = (-x.shape[1]) % multiple
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+
+
+def _merge_topk(values, index, topk: int):
     """The top ``topk`` candidates under the total order (score desc, position desc).
 
     Ties are broken toward the most recent key, so the selection does not depend on how keys were
@@ -80,7 +94,7 @@ def _merge_topk(values, index, topk: int, n_keys: int):
     if values.shape[-1] <= topk:
         return values, index
     tau = values.topk(topk, dim=-1).values[..., -1:]
-    at_tau = 1.0 + index.double() / (n_keys + 1)
+    at_tau = 1.0 + index.double() / (float(index.max()) + 1.0)  # in [1, 2): below any score > tau
     rank = torch.where(values > tau, 2.0, torch.where(values == tau, at_tau, 0.0))
     sel = rank.topk(topk, dim=-1).indices
     return values.gather(-1, sel), index.gather(-1, sel)
@@ -109,11 +123,11 @@ def _attend_block(q, k, v, idx, scale):
     return o.reshape(B, bq, HQ, -1), p.reshape(B, bq, HQ, -1)
 
 
-def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q, offset: int = 0,
+def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
                      return_probs: bool = False):
     """Attention of each query over its selected keys only: ``o [B, Tq, HQ, DV]`` (dtype of q).
 
-    ``k, v`` hold every key ``[0, offset + Tq)``; ``indices`` index into them. With autograd on,
+    ``k, v`` may hold more keys than there are queries (a streaming cache): ``indices`` index them. With autograd on,
     each query block is checkpointed (recomputed in backward). ``return_probs`` also returns the
     head-summed, L1-normalised attention over the selected keys ``[B, Tq, topk]`` (detached), the
     target of the sparse indexer loss.
@@ -125,18 +139,22 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q, offse
     dtype = q.dtype
     qf, kf, vf = q.float(), k.float(), v.float()
     outs, probs = [], []
-    for q0 in range(0, q.shape[1], block_q):
-        q1 = min(q0 + block_q, q.shape[1])
-        args = (qf[:, q0:q1], kf, vf, indices[:, q0:q1], scale)
-        if torch.is_grad_enabled() and q.shape[1] > block_q:
+    Tq = q.shape[1]
+    q_pad = _pad_rows(qf, block_q)  # fixed block shapes, as in the indexer
+    idx_pad = torch.cat([indices, indices.new_zeros(indices.shape[0], q_pad.shape[1] - Tq,
+                                                    indices.shape[2])], dim=1)
+    for q0 in range(0, Tq, block_q):
+        n = min(block_q, Tq - q0)
+        args = (q_pad[:, q0 : q0 + block_q], kf, vf, idx_pad[:, q0 : q0 + block_q], scale)
+        if torch.is_grad_enabled() and Tq > block_q:
             o, p = checkpoint(_attend_block, *args, use_reentrant=False)
         else:
             o, p = _attend_block(*args)
-        outs.append(o)
+        outs.append(o[:, :n])
         if return_probs:
-            p = p.detach().sum(2)
+            p = p[:, :n].detach().sum(2)
             probs.append(p / p.sum(-1, keepdim=True).clamp_min(1e-30))
-    o = torch.cat(outs, dim=1).to(dtype)
+    o = torch.cat(outs, dim=1).to(dtype) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
     return (o, torch.cat(probs, dim=1)) if return_probs else o
 
 

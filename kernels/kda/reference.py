@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 CHUNK = 64
 SUB = 16
+FRAME = 16  # chunks computed together: a fixed shape, so results never depend on the sequence length
 SEGMENT = 16384
 
 
@@ -103,7 +104,19 @@ def _decay_products(a, b, gam, inclusive: bool):
 
 
 def _segment(q, k, v, g, beta, state, chunk: int):
-    """One segment ``[B, HV, Ts, *]`` (Ts a multiple of chunk) from ``state``; returns (o, state)."""
+    """One segment ``[B, HV, Ts, *]`` (Ts a multiple of ``FRAME * chunk``); returns (o, state)."""
+    outs = []
+    step = FRAME * chunk
+    for f in range(0, q.shape[2], step):
+        # contiguous: strides of a slice depend on T, and kernels pick code paths by stride
+        frame = (x[:, :, f : f + step].contiguous() for x in (q, k, v, g, beta))
+        o, state = _frame(*frame, state.contiguous(), chunk)
+        outs.append(o)
+    return torch.cat(outs, dim=2), state
+
+
+def _frame(q, k, v, g, beta, state, chunk: int):
+    """``FRAME`` chunks ``[B, HV, FRAME * chunk, *]`` from ``state``; returns (o, state)."""
     B, HV, Ts, K = q.shape
     n = Ts // chunk
     q, k, v, g = (x.reshape(B, HV, n, chunk, x.shape[-1]) for x in (q, k, v, g))
@@ -136,21 +149,24 @@ def kda_chunk(
 ):
     """Chunkwise KDA, same contract as :func:`kda_recurrent`; any T, autograd-correct.
 
-    ``segment`` tokens (a multiple of ``chunk_size``) are computed at a time; with gradients
+    Work is done in frames of ``FRAME`` chunks (T is zero-padded to whole frames): every batched
+    product has one shape whatever T is, so an output is bit-for-bit independent of how much
+    sequence follows it. ``segment`` tokens (whole frames) are computed at a time; with gradients
     enabled each segment is checkpointed, so only segment inputs and boundary states are kept.
     """
     dtype = v.dtype
     B, T, H, K = q.shape
     q, k, v, g, beta = _expand(q, k, v, g, beta, scale)
     HV, V = v.shape[1], v.shape[-1]
-    pad = (-T) % chunk_size
+    pad = (-T) % (FRAME * chunk_size)
     if pad:  # zero k, beta, g: padded steps neither decay nor update the state
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
         beta = torch.nn.functional.pad(beta, (0, pad))
     state = q.new_zeros(B, HV, K, V)
     if initial_state is not None:
         state = state + initial_state.float()
-    seg = max(chunk_size, segment - segment % chunk_size)
+    frame = FRAME * chunk_size
+    seg = max(frame, segment - segment % frame)
     outs = []
     for s in range(0, T + pad, seg):
         args = [x[:, :, s : s + seg] for x in (q, k, v, g, beta)]

@@ -1,0 +1,121 @@
+"""The model configuration: one small dataclass, validated, with a readable error for every bad field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+from megabase.data.errors import InputError
+from megabase.data.vocab import VOCAB_SIZE
+
+
+@dataclass
+class ModelConfig:
+    """Shape and memory knobs of the hybrid KDA / DSA / MoE language model.
+
+    Layer ``i`` is DSA when ``dsa_period > 0`` and ``i % dsa_period == dsa_period - 1``, else KDA
+    (period 4 over 45 layers gives 34 KDA + 11 DSA). The first ``dense_layers`` FFNs are dense SwiGLU,
+    the rest MoE. DSA layers use no positional encoding: the KDA layers carry position (as in Kimi
+    Linear), which also makes streaming exact.
+    """
+
+    d_model: int = 64
+    n_layers: int = 4
+    vocab_size: int = 8  # the 7 tokens of megabase.data.vocab, padded to a multiple of 8
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    dsa_period: int = 4
+    # Kimi Delta Attention
+    kda_heads: int = 2
+    kda_head_dim: int = 32
+    kda_conv: int = 4
+    kda_gate_rank: int = 16
+    kda_lower_bound: float = -5.0
+    # DeepSeek Sparse Attention
+    dsa_heads: int = 2
+    dsa_kv_heads: int = 1
+    dsa_head_dim: int = 32
+    index_heads: int = 2
+    index_dim: int = 16
+    topk: int = 64
+    keep_recent: int = 0
+    indexer_mode: str = "sparse"
+    indexer_loss_weight: float = 0.01
+    # Mixture of Experts
+    n_experts: int = 4
+    experts_per_token: int = 2
+    expert_dim: int = 64
+    shared_expert_dim: int = 64
+    routed_scale: float = 1.0
+    dense_layers: int = 0
+    dense_dim: int = 128
+    bias_update_rate: float = 1e-3
+    seq_aux_weight: float = 0.0
+    # Memory knobs that live in the model (recompute and offload are applied from pipeline/)
+    moe_chunk: int = 16384
+    loss_chunk: int = 65536
+    dsa_block: int = 256
+    kda_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ["d_model", "n_layers", "vocab_size", "kda_heads", "kda_head_dim", "kda_conv",
+                    "kda_gate_rank", "dsa_heads", "dsa_kv_heads", "dsa_head_dim", "index_heads",
+                    "index_dim", "topk", "n_experts", "experts_per_token", "expert_dim",
+                    "moe_chunk", "loss_chunk", "dsa_block", "dense_dim"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"model.{name} must be a positive integer, got {value!r}")
+        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim"):
+            if getattr(self, name) < 0:
+                raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.vocab_size < VOCAB_SIZE:
+            raise InputError(f"model.vocab_size must be >= {VOCAB_SIZE} (the nucleotide vocabulary)")
+        if self.dsa_heads % self.dsa_kv_heads:
+            raise InputError(f"model.dsa_heads ({self.dsa_heads}) must be a multiple of "
+                             f"model.dsa_kv_heads ({self.dsa_kv_heads})")
+        for name in ("moe_chunk", "loss_chunk"):
+            if getattr(self, name) % 1024:
+                raise InputError(f"model.{name} must be a multiple of 1024, got {getattr(self, name)}")
+        if 1024 % self.dsa_block:
+            raise InputError(f"model.dsa_block must divide 1024, got {self.dsa_block}")
+        if self.experts_per_token > self.n_experts:
+            raise InputError(f"model.experts_per_token ({self.experts_per_token}) exceeds "
+                             f"model.n_experts ({self.n_experts})")
+        if not self.kda_lower_bound < 0:
+            raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
+        choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "fla")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"model.{name} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
+
+    def is_dsa(self, layer: int) -> bool:
+        return self.dsa_period > 0 and layer % self.dsa_period == self.dsa_period - 1
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.dense_layers
+
+    @property
+    def layer_kinds(self) -> str:
+        """e.g. ``"KKKD"``: K for KDA, D for DSA, one letter per layer."""
+        return "".join("D" if self.is_dsa(i) else "K" for i in range(self.n_layers))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        """Build from a dict; an unknown key is an error that names the valid keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InputError(f"unknown model config key {unknown[0]!r}; valid keys: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**data)
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return ModelConfig.from_dict({**self.to_dict(), **overrides})

@@ -1,0 +1,58 @@
+"""The Kimi Delta Attention mixer (DESIGN.md, Model): projections, short conv, gates, the KDA op."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megabase.kernels.kda import kda_chunk
+
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, ShortConv
+
+
+class KDALayer(nn.Module):
+    """``[B, T, d] -> [B, T, d]``; channel-wise decaying delta-rule memory of ``[K, K]`` per head.
+
+    q, k, v: projections -> causal depthwise conv (width ``kda_conv``) + SiLU; q, k L2-normalised
+    per head. ``beta = sigmoid(W_b x)``; log-decay ``g = lb * sigmoid(exp(A_log) * (f + dt_bias))``
+    with ``f`` a rank-``kda_gate_rank`` projection and ``lb = kda_lower_bound``; output
+    ``o_proj(RMSNorm_head(o) * sigmoid(low-rank gate(x)))``. ``dt_bias`` starts so that decays span
+    ~1e-3..0.1 per token times ``exp(A_log)`` in [1, 16]: memories from a few to many thousand bases.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, H, K, r = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_gate_rank
+        self.cfg, self.H, self.K = cfg, H, K
+        self.qkv = Linear(d, 3 * H * K)
+        self.conv = ShortConv(3 * H * K, cfg.kda_conv)
+        self.b_proj = Linear(d, H)
+        self.f_proj = nn.Sequential(Linear(d, r), Linear(r, H * K))
+        self.g_proj = nn.Sequential(Linear(d, r), Linear(r, H * K))
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
+        dt = torch.empty(H * K).uniform_(math.log(1e-3), math.log(0.1)).exp()
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.o_norm = RMSNorm(K, cfg.norm_eps)
+        self.o_proj = Linear(H * K, d)
+
+    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(y, aux_loss)``; with ``state`` (a dict) it continues from and updates it."""
+        B, T, _ = x.shape
+        H, K = self.H, self.K
+        qkv, tail = self.conv(self.qkv(x), None if state is None else state.get("conv"))
+        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        f = self.f_proj(x).float().reshape(B, T, H, K) + self.dt_bias.float().reshape(H, K)
+        g = self.cfg.kda_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * f)
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
+                             output_final_state=state is not None, backend=self.cfg.kda_backend)
+        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, K)
+        y = self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, H * K))
+        if state is not None:
+            state["conv"], state["S"] = tail, final
+        return y, x.new_zeros((), dtype=torch.float)

@@ -1,0 +1,92 @@
+"""Small building blocks shared by the mixers and FFNs: norms, the causal short conv, SwiGLU.
+
+Shape-canonical computation: every matrix product in the model runs on fixed-size row tiles
+(``ROW_TILE`` rows, zero-padded), aligned to absolute positions. A BLAS kernel's rounding can depend
+on the matrix shape (a one-row product takes another code path than a 1024-row one), and DSA's top-k
+turns a last-bit difference into a different selection; with canonical tiles a token's activations
+are bit-for-bit the same however the sequence was cut into segments, so the streaming scorer equals
+the full pass exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dim (computed in fp32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+ROW_TILE = 1024
+
+
+def tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``ROW_TILE`` rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    M = rows.shape[0]
+    pad = (-M) % ROW_TILE
+    if pad:
+        rows = F.pad(rows, (0, 0, 0, pad))
+    tiles = rows.reshape(-1, ROW_TILE, rows.shape[-1])
+    out = torch.matmul(tiles, weight.t().to(x.dtype)).reshape(-1, weight.shape[0])
+    return out[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose product runs on canonical row tiles (see module docs)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_matmul(x, self.weight)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv of width ``w`` over ``[B, T, C]``, then SiLU.
+
+    For streaming, ``forward(x, tail)`` takes the last ``w-1`` inputs of the previous segment
+    (``[B, w-1, C]``, zeros at the start) and returns ``(y, new_tail)``.
+    """
+
+    def __init__(self, channels: int, width: int = 4):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.randn(channels, 1, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
+        B, T, C = x.shape
+        if tail is None:
+            tail = x.new_zeros(B, self.width - 1, C)
+        xx = torch.cat([tail.to(x.dtype), x], dim=1)
+        w = self.weight[:, 0, :].to(x.dtype)
+        # Shifted products summed in a fixed order: element-wise, so exact under any segmentation.
+        y = xx[:, : T] * w[:, 0]
+        for j in range(1, self.width):
+            y = y + xx[:, j : j + T] * w[:, j]
+        return F.silu(y), xx[:, xx.shape[1] - (self.width - 1) :]
+
+
+class SwiGLU(nn.Module):
+    """``W2 (silu(W1 x) * W3 x)``: the dense FFN and the shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = Linear(dim, 2 * hidden)
+        self.w2 = Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)

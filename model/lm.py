@@ -1,0 +1,171 @@
+"""The hybrid language model over the nucleotide vocabulary, and the streaming scorer.
+
+Reads top to bottom: a block is ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``; the LM embeds
+tokens, runs the blocks, and scores next-base targets in chunks. It is single-device and plain:
+recompute and offload are applied to it from :mod:`megabase.pipeline.memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megabase.data.vocab import N_BASES
+
+from .config import ModelConfig
+from .dsa import DSALayer
+from .kda import KDALayer
+from .layers import ROW_TILE, Linear, RMSNorm, SwiGLU, tiled_matmul
+from .moe import MoE
+
+
+class Block(nn.Module):
+    """``(x [B, T, d], state) -> (x, aux_loss, expert_load [E])``."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.kind = "dsa" if cfg.is_dsa(index) else "kda"
+        self.norm1, self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = DSALayer(cfg) if self.kind == "dsa" else KDALayer(cfg)
+        self.ffn = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_dim)
+        self.n_experts = cfg.n_experts
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        h, aux = self.mixer(self.norm1(x), state)
+        x = x + h
+        if isinstance(self.ffn, MoE):
+            y, moe_aux, load = self.ffn(self.norm2(x))
+            return x + y, aux + moe_aux, load
+        return x + self.ffn(self.norm2(x)), aux, torch.zeros(self.n_experts, device=x.device)
+
+
+@dataclass
+class LMOutput:
+    """``loss``: mean NLL over scored targets + auxiliary losses (None without targets).
+    ``nll [B, T]`` (fp32, detached) for every target, scored or not; ``mask [B, T]``: scored
+    targets (A/C/G/T and the caller's loss mask); ``aux_loss``: indexer KL + MoE balance;
+    ``expert_load [n_moe_layers, E]``: routed tokens per expert; ``n_tokens``: scored targets;
+    ``logits [B, T, vocab]`` only when called without targets."""
+
+    loss: torch.Tensor | None
+    lm_loss: torch.Tensor | None
+    nll: torch.Tensor | None
+    mask: torch.Tensor | None
+    aux_loss: torch.Tensor
+    expert_load: torch.Tensor
+    n_tokens: int
+    logits: torch.Tensor | None = None
+
+
+class HybridLM(nn.Module):
+    """KDA / DSA / MoE stack over ``vocab_size`` tokens; ``input_ids [B, T]`` uint8 or int64."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
+        nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+
+    def init_state(self) -> list[dict]:
+        """Empty streaming state: one dict per layer (KDA state + conv tail, DSA key caches)."""
+        return [{} for _ in self.blocks]
+
+    def _nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.head is None else self.head.weight
+        logits = tiled_matmul(self.norm(h), weight).float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
+                              reduction="none")
+        return nll.reshape(targets.shape)
+
+    def forward(self, input_ids, targets=None, loss_mask=None, state: list[dict] | None = None):
+        x = self.embed(input_ids.long())
+        aux = x.new_zeros((), dtype=torch.float)
+        loads = []
+        for i, block in enumerate(self.blocks):
+            x, block_aux, load = block(x, None if state is None else state[i])
+            aux = aux + block_aux
+            if isinstance(block.ffn, MoE):
+                loads.append(load)
+        expert_load = torch.stack(loads) if loads else x.new_zeros(0, self.cfg.n_experts)
+        if targets is None:
+            weight = self.embed.weight if self.head is None else self.head.weight
+            logits = tiled_matmul(self.norm(x), weight).float()
+            return LMOutput(None, None, None, None, aux, expert_load, 0, logits)
+        nll = self._chunked_nll(x, targets)
+        mask = targets.long() < N_BASES
+        if loss_mask is not None:
+            mask = mask & loss_mask.bool()
+        n = int(mask.sum())
+        lm_loss = (nll * mask).sum() / max(n, 1)
+        return LMOutput(lm_loss + aux, lm_loss, nll.detach(), mask, aux, expert_load, n)
+
+    def _chunked_nll(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token NLL ``[B, T]``; ``loss_chunk`` tokens at a time, checkpointed under autograd."""
+        chunk = self.cfg.loss_chunk
+        T = x.shape[1]
+        if T <= chunk:
+            return self._nll(x, targets)
+        parts = []
+        for s in range(0, T, chunk):
+            args = (x[:, s : s + chunk], targets[:, s : s + chunk])
+            parts.append(checkpoint(self._nll, *args, use_reentrant=False)
+                         if torch.is_grad_enabled() else self._nll(*args))
+        return torch.cat(parts, dim=1)
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def update_moe_bias(self, expert_load: torch.Tensor) -> None:
+        """Apply the aux-loss-free bias update with ``expert_load [n_moe_layers, E]``."""
+        for moe, load in zip(self.moe_layers(), expert_load):
+            moe.update_bias(load)
+
+
+@torch.no_grad()
+def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None):
+    """``log p(tokens[:, t+1] | tokens[:, :t+1])`` for every t: ``[B, T-1]`` fp32.
+
+    With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
+    piece by piece, carrying KDA states, conv tails and DSA caches, and gives the same numbers as
+    the full pass (bit for bit on CPU). State is committed only at multiples of ``ROW_TILE``
+    positions, where every canonical tile of the full pass begins; the tokens of an unfinished tile
+    are recomputed with the next piece (at most ``ROW_TILE - 1`` tokens of extra work per piece).
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    T = inputs.shape[1]
+    if segment is None:
+        return -model(inputs, targets).nll
+    state, committed, parts, start = model.init_state(), 0, [], 0
+    for n in _segments(T, segment):
+        end = start + n
+        boundary = committed + (end - committed) // ROW_TILE * ROW_TILE
+        scored = []
+        if boundary > committed:
+            scored.append(model(inputs[:, committed:boundary], targets[:, committed:boundary],
+                                state=state).nll)
+        if end > boundary:
+            scratch = [dict(layer) for layer in state]  # entries are replaced, never mutated
+            scored.append(model(inputs[:, boundary:end], targets[:, boundary:end],
+                                state=scratch).nll)
+        parts.append(-torch.cat(scored, dim=1)[:, start - committed :])
+        committed, start = boundary, end
+    return torch.cat(parts, dim=1)
+
+
+def _segments(total: int, segment: int | Sequence[int]) -> list[int]:
+    if isinstance(segment, int):
+        if segment < 1:
+            raise ValueError(f"segment must be positive, got {segment}")
+        return [min(segment, total - s) for s in range(0, total, segment)]
+    lengths = [int(n) for n in segment]
+    if sum(lengths) != total or min(lengths, default=1) < 1:
+        raise ValueError(f"segment lengths must be positive and sum to {total}, got {lengths}")
+    return lengths

@@ -1,0 +1,67 @@
+"""Memory knobs applied to a built model from outside it (as torchtitan keeps them apart from the model).
+
+Apply in this order: :func:`apply_recompute`, then :func:`apply_offload`. Both change memory, never
+results: the loss and gradients stay equal to fp32 round-off (tests check this). Parameter names
+are unchanged, so checkpoints load with or without the knobs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+RECOMPUTE_MODES = ("none", "layer", "selective")
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        streaming = kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None)
+        if torch.is_grad_enabled() and not streaming:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    wrapper.__megabase_recompute__ = True
+    return wrapper
+
+
+def apply_recompute(model: torch.nn.Module, mode: str = "layer") -> torch.nn.Module:
+    """Activation recompute for every block of a :class:`~megabase.model.HybridLM`.
+
+    ``layer``: each block keeps only its input; everything inside is recomputed in backward.
+    ``selective``: only the mixers (KDA/DSA, the larger activations) are recomputed; FFN
+    activations are kept. ``none``: nothing. Streaming calls (with a state) are never wrapped.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; choose from {', '.join(RECOMPUTE_MODES)}")
+    if mode == "none":
+        return model
+    for block in model.blocks:
+        target = block if mode == "layer" else block.mixer
+        if not getattr(target.forward, "__megabase_recompute__", False):
+            target.forward = _checkpointed(target.forward)
+    return model
+
+
+def apply_offload(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
+    """Keep tensors saved for backward in host memory (pinned on CUDA) instead of device memory.
+
+    On a CPU-only run activations already live in host memory, so this changes nothing there.
+    """
+    if not enabled or getattr(model.forward, "__megabase_offload__", False):
+        return model
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return forward(*args, **kwargs)
+
+    wrapper.__megabase_offload__ = True
+    model.forward = wrapper
+    return model

@@ -1,0 +1,37 @@
+import pytest
+
+from megabase.data import InputError
+from megabase.model import PRESETS, ModelConfig, build_model, get_preset, parameter_counts
+
+
+def test_glm5_flash_layer_pattern():
+    kinds = get_preset("glm5-flash").layer_kinds
+    assert len(kinds) == 45 and kinds.count("K") == 34 and kinds.count("D") == 11
+    assert all((c == "D") == (i % 4 == 3) for i, c in enumerate(kinds))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_states_its_parameter_counts(name):
+    counts = parameter_counts(get_preset(name))
+    assert 0 < counts["active"] < counts["total"]
+
+
+def test_debug_has_every_part_and_counts_match_a_real_model():
+    cfg = get_preset("debug")
+    assert "K" in cfg.layer_kinds and "D" in cfg.layer_kinds and cfg.n_experts >= 4
+    assert cfg.topk < 2000 and 32 <= cfg.d_model <= 64
+    model = build_model("debug")
+    assert sum(p.numel() for p in model.parameters()) == parameter_counts(cfg)["total"]
+
+
+def test_unknown_preset_and_field_are_clear_errors():
+    with pytest.raises(InputError, match="unknown model preset 'gpu-9b'; choose from debug"):
+        get_preset("gpu-9b")
+    with pytest.raises(InputError, match="unknown model config key 'd_modle'; valid keys: .*d_model"):
+        get_preset("debug", d_modle=64)
+    with pytest.raises(InputError, match="model.topk must be a positive integer"):
+        get_preset("debug", topk=0)
+    with pytest.raises(InputError, match="model.indexer_mode must be one of sparse, dense"):
+        ModelConfig(indexer_mode="warm")
+    with pytest.raises(InputError, match="multiple of"):
+        ModelConfig(dsa_heads=3, dsa_kv_heads=2)

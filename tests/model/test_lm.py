@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from megabase.data import N, PAD
+from megabase.model import build_model, log_probs
+from megabase.model.moe import MoE
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return build_model("debug")
+
+
+def test_loss_ignores_n_and_padding_targets(model, real_tokens):
+    x = real_tokens[:, :301]
+    inputs, targets = x[:, :-1].clone(), x[:, 1:].clone()
+    out = model(inputs, targets)
+    masked = targets.clone()
+    masked[0, 10:20] = N
+    masked[0, 250:] = PAD
+    out2 = model(inputs, masked)
+    keep = out2.mask[0]
+    assert out2.n_tokens == 300 - 10 - 50 and not keep[10:20].any() and not keep[250:].any()
+    expected = out.nll[0][keep].mean()
+    assert torch.allclose(out2.lm_loss, expected, rtol=1e-6)
+    assert out.nll.shape == (1, 300) and (out.nll > 0).all()
+
+
+def test_logits_without_targets(model, real_tokens):
+    out = model(real_tokens[:, :50])
+    assert out.loss is None and out.logits.shape == (1, 50, 8)
+
+
+def test_streaming_equals_full_pass_on_20k_real_bases(model, real_tokens):
+    model.eval()
+    full = log_probs(model, real_tokens)
+    assert full.shape == (1, 20_000)
+    streamed = log_probs(model, real_tokens, segment=[1, 4_999, 3_333, 7, 6_000, 5_660])
+    assert float((full - streamed).abs().max()) <= 1e-4
+    assert float((full - log_probs(model, real_tokens, segment=2_048)).abs().max()) <= 1e-4
+
+
+def test_backward_reaches_every_trainable_parameter(model, real_tokens):
+    model.train()
+    out = model(real_tokens[:, :400], real_tokens[:, 1:401])
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]
+    assert missing == []
+    assert out.aux_loss > 0  # the DSA indexer's KL is part of the loss while training
+
+
+def test_moe_load_and_bias_update(model, real_tokens):
+    out = model(real_tokens[:, :500], real_tokens[:, 1:501])
+    moe_layers = model.moe_layers()
+    assert out.expert_load.shape == (len(moe_layers), 4)
+    assert torch.all(out.expert_load.sum(-1) == 500 * 2)
+    before = [m.bias.clone() for m in moe_layers]
+    model.update_moe_bias(out.expert_load)
+    for m, b, load in zip(moe_layers, before, out.expert_load):
+        expected = b + m.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        assert torch.equal(m.bias, expected)
+
+
+def test_sequence_aux_loss_is_balance_weighted():
+    torch.manual_seed(1)
+    model = build_model("debug", seq_aux_weight=0.1)
+    moe = model.moe_layers()[0]
+    x = torch.randn(2, 64, 32)
+    y, aux, load = moe(x)
+    assert y.shape == x.shape and aux > 0 and load.sum() == 2 * 64 * 2
+    assert isinstance(moe, MoE)

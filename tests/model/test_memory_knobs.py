@@ -1,0 +1,54 @@
+"""Every memory knob changes memory, never the loss or the gradients beyond fp32 round-off."""
+
+import pytest
+import torch
+
+from megabase.model import build_model
+from megabase.pipeline.memory import apply_offload, apply_recompute
+from tests.kernels.tolerances import assert_close, rel_rms
+
+
+def loss_and_grads(real_tokens, knobs=None, **overrides):
+    torch.manual_seed(0)
+    model = build_model("debug", **overrides)
+    for apply in knobs or []:
+        apply(model)
+    x = real_tokens[:, :2_501]
+    out = model(x[:, :-1], x[:, 1:])
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def baseline(real_tokens):
+    return loss_and_grads(real_tokens)
+
+
+@pytest.mark.parametrize("name,knobs,overrides", [
+    ("recompute=layer", [lambda m: apply_recompute(m, "layer")], {}),
+    ("recompute=selective", [lambda m: apply_recompute(m, "selective")], {}),
+    ("offload", [apply_offload], {}),
+    ("recompute+offload", [lambda m: apply_recompute(m, "layer"), apply_offload], {}),
+    ("moe_chunk", [], {"moe_chunk": 1024}),
+    ("loss_chunk", [], {"loss_chunk": 1024}),
+    ("dsa_block", [], {"dsa_block": 32}),
+])
+def test_knob_keeps_loss_and_gradients(real_tokens, baseline, name, knobs, overrides):
+    loss0, grads0 = baseline
+    loss, grads = loss_and_grads(real_tokens, knobs, **overrides)
+    assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0)), name
+    assert grads.keys() == grads0.keys()
+    flat = torch.cat([grads[p].flatten() for p in grads0])
+    assert_close(flat, torch.cat([g.flatten() for g in grads0.values()]), f"{name}: all gradients")
+    for param in grads0:  # a small parameter's gradient sums ~1e4 terms: allow their round-off
+        assert rel_rms(grads[param], grads0[param]) <= 1e-4, f"{name}: grad of {param}"
+
+
+def test_recompute_is_idempotent_and_keeps_parameter_names():
+    model = build_model("debug")
+    names = [n for n, _ in model.named_parameters()]
+    apply_recompute(apply_recompute(model, "layer"), "layer")
+    apply_offload(apply_offload(model))
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="unknown recompute mode"):
+        apply_recompute(model, "sometimes")
