@@ -23,12 +23,21 @@ BLOCK_K = 4096
 
 
 def index_scores(q_idx, k_idx, w_idx, scale):
-    """``[B, Tq, HI, DI] x [B, Tk, DI] -> [B, Tq, Tk]`` weighted-ReLU index scores (fp32)."""
-    s = torch.einsum("bqhd,bkd->bqhk", q_idx.float(), k_idx.float()) * scale
-    s = torch.relu(s)
+    """``[B, Tq, HI, DI] x [B, Tk, DI] -> [B, Tq, Tk]`` weighted-ReLU index scores (fp32).
+
+    One product per index head, ReLU and weighted accumulation in place: the scores are the
+    indexer's whole cost (O(T^2)), so no temporary wider than one head is formed.
+    """
+    HI = q_idx.shape[2]
+    s = torch.matmul(q_idx.float().transpose(1, 2) * scale, k_idx.float().transpose(1, 2)[:, None])
+    s = s.clamp_(min=0)  # [B, HI, Tq, Tk]
     if w_idx is None:
-        return s.sum(2)
-    return torch.einsum("bqhk,bqh->bqk", s, w_idx.float())
+        return s.sum(1)
+    w = w_idx.float()
+    acc = s[:, 0].mul_(w[:, :, 0:1])
+    for h in range(1, HI):
+        acc.addcmul_(s[:, h], w[:, :, h : h + 1])
+    return acc
 
 
 @torch.no_grad()
@@ -56,25 +65,85 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     for q0 in range(0, Tq, block_q):
         q1 = min(q0 + block_q, Tq)
         pos = torch.arange(q0, q0 + block_q, device=q_idx.device) + offset
-        best_v = torch.full((B, block_q, 0), float("-inf"), device=q_idx.device)
-        best_i = torch.zeros((B, block_q, 0), dtype=torch.long, device=q_idx.device)
+        best = None  # [B, block_q, <= topk] composite keys, see _composite
         for k0 in range(0, min(offset + q1, Tk), block_k):
             keys = torch.arange(k0, k0 + block_k, device=q_idx.device)
             s = index_scores(q_pad[:, q0 : q0 + block_q], k_pad[:, k0 : k0 + block_k],
                              None if w_pad is None else w_pad[:, q0 : q0 + block_q], scale)
-            invisible = (keys[None, :] > pos[:, None]) | (keys[None, :] >= Tk)
-            s = s.masked_fill(invisible[None], float("-inf"))
-            if keep_recent:
-                recent = (keys[None, :] > pos[:, None] - keep_recent) & ~invisible
-                s = s.masked_fill(recent[None], float("inf"))
-            best_v, best_i = _merge_topk(torch.cat([best_v, s], dim=-1),
-                                         torch.cat([best_i, keys.expand(B, block_q, -1)], dim=-1),
-                                         topk)
-        best_i = best_i.masked_fill(best_v == float("-inf"), -1)
-        best_i = best_i.where(best_i >= 0, Tk).sort(-1).values  # ascending positions, -1 last
-        best_i = best_i[:, : q1 - q0]
-        out[:, q0:q1, : best_i.shape[-1]] = best_i.masked_fill(best_i == Tk, -1)
+            if k0 + block_k > pos[0] or k0 + block_k > Tk or keep_recent:  # else all visible
+                invisible = (keys[None, :] > pos[:, None]) | (keys[None, :] >= Tk)
+                s = s.masked_fill(invisible[None], float("-inf"))
+                if keep_recent:
+                    recent = (keys[None, :] > pos[:, None] - keep_recent) & ~invisible
+                    s = s.masked_fill(recent[None], float("inf"))
+            best = _merge(best, s, keys, topk)
+        idx = best & 0xFFFFFFFF
+        idx = idx.masked_fill((best >> 32) <= _NEG_INF_KEY, Tk)
+        idx = idx.sort(-1).values[:, : q1 - q0]  # ascending positions, invalid (Tk) last
+        out[:, q0:q1, : idx.shape[-1]] = idx.masked_fill(idx == Tk, -1)
     return out
+
+
+def _order_key(s: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 with the same order (``-0.0`` is folded into ``+0.0`` first)."""
+    bits = (s + 0.0).view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+_NEG_INF_KEY = int(_order_key(torch.tensor([float("-inf")]))[0])
+
+
+def _composite(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One int64 per candidate ordering by (score desc, position desc): ``key(score) * 2^32 + pos``.
+
+    A single integer top-k then realises the total order; ties go to the most recent key, so the
+    selection does not depend on how keys were split into blocks.
+    """
+    return _order_key(scores) * (1 << 32) + keys
+
+
+def _merge(best, scores, keys, topk: int):
+    """The top ``topk`` of ``best`` (composite keys) and a block's ``scores`` at ``keys``.
+
+    Rows whose best block score cannot beat their current k-th key are left alone: once a query
+    has seen many keys most blocks skip the composite encoding and the top-k entirely.
+    """
+    if best is None or best.shape[-1] < topk:
+        cand = _composite(scores, keys)
+        both = cand if best is None else torch.cat([best, cand], dim=-1)
+        return both.topk(min(topk, both.shape[-1]), dim=-1).values
+    floor = best.amin(-1) >> 32  # order key of each row's k-th score
+    rows = _order_key(scores.amax(-1)) >= floor  # ties can win: newer keys rank first
+    if not bool(rows.any()):
+        return best
+    best = best.clone()
+    both = torch.cat([best[rows], _composite(scores[rows], keys)], dim=-1)
+    best[rows] = both.topk(topk, dim=-1).values
+    return best
+
+
+def _pad_rows(x, multiple: int):
+    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
+    pad = (-x.shape[1]) % multiple
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+
+
+def _pad_rows(x, multiple: int):
+    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
+    pad = (-x.shape[1]) % multiple
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+
+
+def _pad_rows(x, multiple: int):
+    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
+    pad = (-x.shape[1]) % multiple
+    if not pad:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
 
 
 def _pad_rows(x, multiple: int):
