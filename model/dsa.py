@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megabase.kernels.dsa import (
-    dsa_indexer,
+    dsa_indexer_op,
     indexer_kl_dense,
     indexer_kl_sparse,
     sparse_attention,
@@ -68,8 +68,7 @@ class DSALayer(nn.Module):
             if train_indexer:
                 aux = indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=cfg.dsa_block)
         else:
-            idx = dsa_indexer(qi, ki, wi, cfg.topk, keep_recent=cfg.keep_recent,
-                              block_q=cfg.dsa_block, offset=offset)
+            idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset)
             if train_indexer:
                 o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block,
                                         return_probs=True)

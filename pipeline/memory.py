@@ -10,9 +10,21 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 RECOMPUTE_MODES = ("none", "layer", "selective")
+
+
+def _keep_selections(ctx, op, *args, **kwargs):
+    """Recompute everything but the DSA indexer's selection: an O(T^2) pass whose output (O(T * topk)
+    integers) is cheap to keep and identical when recomputed."""
+    if op is torch.ops.megabase.dsa_indexer.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context():
+    return create_selective_checkpoint_contexts(_keep_selections)
 
 
 def _checkpointed(forward):
@@ -20,7 +32,7 @@ def _checkpointed(forward):
     def wrapper(*args, **kwargs):
         streaming = kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None)
         if torch.is_grad_enabled() and not streaming:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
         return forward(*args, **kwargs)
 
     wrapper.__megabase_recompute__ = True
@@ -30,7 +42,8 @@ def _checkpointed(forward):
 def apply_recompute(model: torch.nn.Module, mode: str = "layer") -> torch.nn.Module:
     """Activation recompute for every block of a :class:`~megabase.model.HybridLM`.
 
-    ``layer``: each block keeps only its input; everything inside is recomputed in backward.
+    ``layer``: each block keeps only its input and its DSA selections (integers); everything else
+    inside is recomputed in backward.
     ``selective``: only the mixers (KDA/DSA, the larger activations) are recomputed; FFN
     activations are kept. ``none``: nothing. Streaming calls (with a state) are never wrapped.
     """

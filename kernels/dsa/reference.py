@@ -30,6 +30,10 @@ def index_scores(q_idx, k_idx, w_idx, scale):
     """
     HI = q_idx.shape[2]
     s = torch.matmul(q_idx.float().transpose(1, 2) * scale, k_idx.float().transpose(1, 2)[:, None])
+    if torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad
+                                    or (w_idx is not None and w_idx.requires_grad)):
+        s = s.clamp(min=0)  # out of place: autograd needs the intermediates
+        return s.sum(1) if w_idx is None else (s * w_idx.float().transpose(1, 2)[..., None]).sum(1)
     s = s.clamp_(min=0)  # [B, HI, Tq, Tk]
     if w_idx is None:
         return s.sum(1)
@@ -70,7 +74,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
             keys = torch.arange(k0, k0 + block_k, device=q_idx.device)
             s = index_scores(q_pad[:, q0 : q0 + block_q], k_pad[:, k0 : k0 + block_k],
                              None if w_pad is None else w_pad[:, q0 : q0 + block_q], scale)
-            if k0 + block_k > pos[0] or k0 + block_k > Tk or keep_recent:  # else all visible
+            if k0 + block_k > offset + q0 or k0 + block_k > Tk or keep_recent:  # else all visible
                 invisible = (keys[None, :] > pos[:, None]) | (keys[None, :] >= Tk)
                 s = s.masked_fill(invisible[None], float("-inf"))
                 if keep_recent:
@@ -128,45 +132,6 @@ def _pad_rows(x, multiple: int):
     if not pad:
         return x
     return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-
-def _pad_rows(x, multiple: int):
-    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
-    pad = (-x.shape[1]) % multiple
-    if not pad:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-
-def _pad_rows(x, multiple: int):
-    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
-    pad = (-x.shape[1]) % multiple
-    if not pad:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-
-def _pad_rows(x, multiple: int):
-    """Zero-pad dim 1 of ``x`` to a multiple of ``multiple``."""
-    pad = (-x.shape[1]) % multiple
-    if not pad:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-
-def _merge_topk(values, index, topk: int):
-    """The top ``topk`` candidates under the total order (score desc, position desc).
-
-    Ties are broken toward the most recent key, so the selection does not depend on how keys were
-    split into blocks (streaming and full passes select the same keys). Returns (values, index).
-    """
-    if values.shape[-1] <= topk:
-        return values, index
-    tau = values.topk(topk, dim=-1).values[..., -1:]
-    at_tau = 1.0 + index.double() / (float(index.max()) + 1.0)  # in [1, 2): below any score > tau
-    rank = torch.where(values > tau, 2.0, torch.where(values == tau, at_tau, 0.0))
-    sel = rank.topk(topk, dim=-1).indices
-    return values.gather(-1, sel), index.gather(-1, sel)
 
 
 def _gather(x, idx):

@@ -70,3 +70,17 @@ def test_sequence_aux_loss_is_balance_weighted():
     y, aux, load = moe(x)
     assert y.shape == x.shape and aux > 0 and load.sum() == 2 * 64 * 2
     assert isinstance(moe, MoE)
+
+
+def test_dsa_layer_sparse_equals_dense_when_t_le_topk_and_dense_warmup_trains(real_tokens):
+    torch.manual_seed(2)
+    sparse = build_model("debug", topk=64)
+    dense = build_model("debug", topk=64, indexer_mode="dense")
+    dense.load_state_dict(sparse.state_dict())
+    x = real_tokens[:, :61]
+    a = sparse(x[:, :-1], x[:, 1:])
+    b = dense(x[:, :-1], x[:, 1:])
+    assert torch.allclose(a.nll, b.nll, atol=1e-5)
+    b.loss.backward()
+    layer = dense.blocks[3].mixer
+    assert b.aux_loss > 0 and layer.qi_proj.weight.grad.abs().sum() > 0
