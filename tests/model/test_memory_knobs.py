@@ -52,3 +52,16 @@ def test_recompute_is_idempotent_and_keeps_parameter_names():
     assert [n for n, _ in model.named_parameters()] == names
     with pytest.raises(ValueError, match="unknown recompute mode"):
         apply_recompute(model, "sometimes")
+
+
+def test_recompute_keeps_the_dsa_selection_instead_of_recomputing_it(real_tokens, monkeypatch):
+    import megabase.kernels.dsa as dsa
+
+    calls = []
+    real = dsa.dsa_indexer
+    monkeypatch.setattr(dsa, "dsa_indexer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = apply_recompute(build_model("debug"), "layer")
+    x = real_tokens[:, :1_501]
+    model(x[:, :-1], x[:, 1:]).loss.backward()
+    assert len(calls) == 1  # one DSA layer, one selection pass for forward and backward

@@ -1,0 +1,99 @@
+"""Per-token NLL aggregated into prior-context bins, split repeat / unique, with bootstrap CIs.
+
+A target base at offset ``i`` of its window has ``i`` bases of prior context. Bins are half-open
+``[lo, hi)`` ranges of that context length, log-spaced by default. Every number is a ratio of sums
+(total nats / scored bases), so bins and windows combine exactly; confidence intervals resample
+whole windows (the unit that is independent), not single bases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LN2 = math.log(2.0)
+DEFAULT_EDGES = (0, 1_000, 4_000, 16_000, 64_000, 256_000, 512_000, 1_048_576)
+
+
+def default_edges(length: int) -> list[int]:
+    """Log-spaced edges covering ``[0, length)``: the standard ones below ``length``, then ``length``."""
+    if length < 1:
+        raise ValueError(f"window length must be positive, got {length}")
+    return [e for e in DEFAULT_EDGES if e < length] + [length]
+
+
+def check_edges(edges) -> list[int]:
+    edges = [int(e) for e in edges]
+    if len(edges) < 2 or edges[0] != 0 or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"bin edges must start at 0 and increase strictly, got {edges}")
+    return edges
+
+
+@dataclass
+class BinAccumulator:
+    """Running sums ``[n_windows, n_bins, 2 (unique, repeat)]`` of NLL and of scored bases."""
+
+    edges: list[int]
+    nats: list[np.ndarray] = field(default_factory=list)
+    counts: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.edges = check_edges(self.edges)
+
+    def add_window(self, nll: np.ndarray, scored: np.ndarray, repeat: np.ndarray,
+                   context: np.ndarray | None = None) -> None:
+        """One window: ``nll``, ``scored`` (bool), ``repeat`` (bool), all ``[n]``.
+
+        ``context`` (prior-context length per position) defaults to ``0..n-1``.
+        """
+        n = len(nll)
+        context = np.arange(n) if context is None else np.asarray(context)
+        nbins = len(self.edges) - 1
+        b = np.searchsorted(self.edges, context, side="right") - 1
+        keep = np.asarray(scored, bool) & (b >= 0) & (b < nbins)
+        slot = b[keep] * 2 + np.asarray(repeat, bool)[keep]
+        nats = np.bincount(slot, weights=np.asarray(nll, np.float64)[keep], minlength=2 * nbins)
+        count = np.bincount(slot, minlength=2 * nbins)
+        self.nats.append(nats.reshape(nbins, 2))
+        self.counts.append(count.reshape(nbins, 2))
+
+    def summary(self, n_boot: int = 1000, seed: int = 0, ci: float = 0.95) -> dict:
+        """``{"bins": [...], "overall": {...}}``; each entry has n_tokens, nats/bits per base,
+        perplexity, repeat/unique splits and a bootstrap CI of bits per base over windows."""
+        nats = np.stack(self.nats) if self.nats else np.zeros((0, len(self.edges) - 1, 2))
+        counts = np.stack(self.counts) if self.counts else np.zeros_like(nats)
+        rng = np.random.default_rng(seed)
+        W = nats.shape[0]
+        boot = rng.integers(0, W, size=(n_boot, W)) if W and n_boot else None
+        bins = []
+        for i, (lo, hi) in enumerate(zip(self.edges, self.edges[1:])):
+            bins.append({"context_lo": lo, "context_hi": hi,
+                         **_entry(nats[:, i], counts[:, i], boot, ci)})
+        overall = _entry(nats.sum(1), counts.sum(1), boot, ci)
+        return {"bins": bins, "overall": overall, "n_windows": W}
+
+
+def _stats(nats: float, count: float) -> dict:
+    if count <= 0:
+        return {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None}
+    npb = nats / count
+    return {"n_tokens": int(count), "nats_per_base": npb, "bits_per_base": npb / LN2,
+            "perplexity": math.exp(npb)}
+
+
+def _entry(nats: np.ndarray, counts: np.ndarray, boot, ci: float) -> dict:
+    """``nats, counts``: ``[n_windows, 2 (unique, repeat)]``."""
+    out = _stats(nats.sum(), counts.sum())
+    out["unique"] = _stats(nats[:, 0].sum(), counts[:, 0].sum())
+    out["repeat"] = _stats(nats[:, 1].sum(), counts[:, 1].sum())
+    lo = hi = None
+    if boot is not None and out["n_tokens"]:
+        tot_n, tot_c = nats.sum(1)[boot].sum(1), counts.sum(1)[boot].sum(1)
+        ok = tot_c > 0
+        if ok.any():
+            bpb = tot_n[ok] / tot_c[ok] / LN2
+            lo, hi = (float(q) for q in np.quantile(bpb, [(1 - ci) / 2, (1 + ci) / 2]))
+    out["bits_per_base_ci"] = [lo, hi]
+    return out

@@ -1,0 +1,59 @@
+import math
+
+import numpy as np
+import pytest
+
+from megabase.eval.bins import BinAccumulator, check_edges, default_edges
+
+
+def test_default_edges_cover_the_window():
+    assert default_edges(65_536) == [0, 1_000, 4_000, 16_000, 64_000, 65_536]
+    assert default_edges(500) == [0, 500]
+    assert default_edges(1_048_576)[-2:] == [512_000, 1_048_576]
+    with pytest.raises(ValueError):
+        check_edges([0, 10, 10])
+
+
+def test_bin_arithmetic_with_known_nll():
+    acc = BinAccumulator([0, 2, 5, 10])
+    nll = np.arange(10, dtype=float)          # NLL i at context i
+    scored = np.ones(10, bool)
+    scored[3] = False                          # an N target: never counted
+    repeat = np.zeros(10, bool)
+    repeat[[6, 7]] = True
+    acc.add_window(nll, scored, repeat)
+    acc.add_window(np.full(4, 2.0), np.ones(4, bool), np.zeros(4, bool))  # a shorter window
+    out = acc.summary(n_boot=0)
+    b0, b1, b2 = out["bins"]
+    assert (b0["context_lo"], b0["context_hi"]) == (0, 2)
+    assert b0["n_tokens"] == 4 and b0["nats_per_base"] == pytest.approx((0 + 1 + 2 + 2) / 4)
+    assert b1["n_tokens"] == 2 + 2 and b1["nats_per_base"] == pytest.approx((2 + 4 + 2 + 2) / 4)
+    assert b2["n_tokens"] == 5 and b2["nats_per_base"] == pytest.approx(35 / 5)
+    assert b2["repeat"]["n_tokens"] == 2 and b2["repeat"]["nats_per_base"] == pytest.approx(6.5)
+    assert b2["unique"]["nats_per_base"] == pytest.approx((5 + 8 + 9) / 3)
+    total = sum(range(10)) - 3 + 8
+    assert out["overall"]["n_tokens"] == 13
+    assert out["overall"]["nats_per_base"] == pytest.approx(total / 13)
+    assert out["overall"]["bits_per_base"] == pytest.approx(total / 13 / math.log(2))
+    assert out["overall"]["perplexity"] == pytest.approx(math.exp(total / 13))
+
+
+def test_bootstrap_ci_brackets_the_estimate():
+    rng = np.random.default_rng(0)
+    acc = BinAccumulator([0, 100])
+    for _ in range(50):
+        acc.add_window(rng.normal(1.4, 0.3, 100), np.ones(100, bool), np.zeros(100, bool))
+    overall = acc.summary(n_boot=500)["overall"]
+    lo, hi = overall["bits_per_base_ci"]
+    assert lo < overall["bits_per_base"] < hi and hi - lo < 0.05
+
+
+def test_empty_bins_report_zero_tokens():
+    acc = BinAccumulator([0, 10, 20])
+    acc.add_window(np.ones(5), np.ones(5, bool), np.zeros(5, bool))
+    assert acc.summary(n_boot=10)["bins"][1] == {
+        "context_lo": 10, "context_hi": 20, "n_tokens": 0, "nats_per_base": None,
+        "bits_per_base": None, "perplexity": None,
+        "unique": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
+        "repeat": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
+        "bits_per_base_ci": [None, None]}
