@@ -1,0 +1,91 @@
+"""Model checkpoints: a directory with ``model.safetensors`` and ``config.json``.
+
+``config.json`` holds ``{"format", "version", "model": <ModelConfig fields>, "vocab", ...extra}``;
+``build_model``-compatible, human-readable, and loading never unpickles anything. Writes go to a
+temporary sibling directory that is renamed into place, so a crash never leaves a half checkpoint.
+Optimizer and data-loader state, when a trainer saves them, sit beside these two files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megabase.data.errors import InputError
+from megabase.data.vocab import vocab_dict
+
+from .config import ModelConfig
+from .lm import HybridLM
+
+FORMAT = "megabase-checkpoint"
+VERSION = 1
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None,
+                    files: dict[str, bytes] | None = None) -> Path:
+    """Write ``model`` (weights, buffers, config) to the directory ``path`` atomically.
+
+    ``extra``: more JSON fields for ``config.json`` (run id, step, data manifest...).
+    ``files``: more files to place in the directory (e.g. an optimizer state), name -> bytes.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+        config = {"format": FORMAT, "version": VERSION, "model": model.cfg.to_dict(),
+                  "vocab": vocab_dict(), **(extra or {})}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        tmp.chmod(0o755)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / "checkpoint")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_checkpoint_config(path: str | Path) -> dict:
+    """``config.json`` of a checkpoint, validated; InputError names what is wrong."""
+    path = Path(path)
+    if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+        raise InputError(f"not a checkpoint: expected {CONFIG} and {WEIGHTS} in it", path)
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except ValueError as exc:
+        raise InputError(f"{CONFIG} is not valid JSON ({exc})", path) from None
+    if config.get("format") != FORMAT or config.get("version") != VERSION:
+        raise InputError(f"{CONFIG} is not a version-{VERSION} megabase checkpoint", path)
+    if config.get("vocab") != vocab_dict():
+        raise InputError("checkpoint was trained with a different vocabulary", path)
+    return config
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
+    """The model saved at ``path``, in eval mode, on ``device``."""
+    from safetensors.torch import load_file
+
+    config = read_checkpoint_config(path)
+    model = HybridLM(ModelConfig.from_dict(config["model"]))
+    state = load_file(str(Path(path) / WEIGHTS), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InputError(f"weights do not match the config (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})", path)
+    return model.to(device).eval()
