@@ -1,1 +1,8 @@
 """megabase.eval: held-out scoring binned by prior context, Markov baselines, reports (DESIGN.md, Evaluation)."""
+
+from .bins import BinAccumulator, default_edges
+from .markov import MarkovModel
+from .score import ModelScorer, markov_scorer, recall_probe, truncated
+
+__all__ = ["BinAccumulator", "default_edges", "MarkovModel", "ModelScorer", "markov_scorer",
+           "recall_probe", "truncated"]

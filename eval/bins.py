@@ -71,7 +71,8 @@ class BinAccumulator:
         for i, (lo, hi) in enumerate(zip(self.edges, self.edges[1:])):
             bins.append({"context_lo": lo, "context_hi": hi,
                          **_entry(nats[:, i], counts[:, i], boot, ci)})
-        overall = _entry(nats.sum(1), counts.sum(1), boot, ci)
+        overall = {"context_lo": self.edges[0], "context_hi": self.edges[-1],
+                   **_entry(nats.sum(1), counts.sum(1), boot, ci)}
         return {"bins": bins, "overall": overall, "n_windows": W}
 
 

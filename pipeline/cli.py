@@ -61,6 +61,36 @@ def cmd_export(args: argparse.Namespace) -> None:
           f"load with datasets.load_from_disk({str(args.out)!r})")
 
 
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from megabase.eval.evaluate import evaluate
+
+    report = evaluate(
+        args.checkpoint, args.data, out=args.out, windows=args.windows, split=args.split,
+        regions=tuple(_csv(args.regions)), length=args.length,
+        edges=[int(e) for e in _csv(args.edges)] if args.edges else None,
+        controls=tuple(int(c) for c in _csv(args.controls)), probe=not args.no_probe,
+        baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
+        segment=args.segment, n_boot=args.bootstrap, seed=args.seed, progress=not args.quiet,
+    )
+    summary.print_report(report)
+
+
+def cmd_baseline(args: argparse.Namespace) -> None:
+    from megabase.eval.evaluate import markov_baseline
+
+    report = markov_baseline(args.data, args.order, _csv(args.train), _csv(args.eval), args.out,
+                             length=args.length, n_boot=args.bootstrap, seed=args.seed,
+                             progress=not args.quiet)
+    summary.print_report(report)
+
+
+def _csv(text: str | None) -> list[str]:
+    """Comma-separated names; commas inside region coordinates are kept."""
+    from megabase.data.windows import parse_split
+
+    return parse_split(f"x={text}")[1] if text else []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megabase",
@@ -96,6 +126,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for Dataset.save_to_disk")
     p.add_argument("--cache-dir", help="where datasets writes its Arrow cache")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("evaluate", help="checkpoint + held-out windows -> loss by prior context")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, help="token store directory")
+    p.add_argument("--windows", help="BED of windows (default: tile --regions)")
+    p.add_argument("--split", default="eval", help="split of the BED to score (default eval)")
+    p.add_argument("--regions", default="chr22", help="records/regions to tile (default chr22)")
+    p.add_argument("--length", type=_positive_int, help="window length (default: the checkpoint's)")
+    p.add_argument("--edges", help="context bin edges, e.g. 0,1000,4000,16000,65536")
+    p.add_argument("--controls", default="1000", help="context limits of the truncation control")
+    p.add_argument("--no-probe", action="store_true", help="skip the in-context recall probe")
+    p.add_argument("--baseline", type=int, action="append", metavar="K",
+                   help="add an order-K Markov baseline fitted on --train (repeatable)")
+    p.add_argument("--train", help="records/regions the baselines are fitted on")
+    p.add_argument("--segment", type=_positive_int, default=65_536,
+                   help="stream windows longer than this many bases (default 65536)")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="report directory (default CHECKPOINT/eval)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
+    p.add_argument("kind", choices=["markov"])
+    p.add_argument("--data", required=True, help="token store directory")
+    p.add_argument("--order", type=int, required=True, help="Markov order K (0..14)")
+    p.add_argument("--train", required=True, help="records/regions to fit on, e.g. chr01,chr02")
+    p.add_argument("--eval", required=True, help="records/regions to score, e.g. chr22")
+    p.add_argument("--length", type=_positive_int, default=65_536, help="window length for binning")
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_baseline)
     return parser
 
 

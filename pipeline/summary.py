@@ -57,3 +57,39 @@ def print_windows(out: Path, length: int, per_split: dict) -> None:
                       f"{info.windows:,}", f"{info.bases:,}", f"{info.short:,}",
                       f"{info.dropped_n:,}")
     console.print(table)
+
+
+def _bits(entry: dict) -> str:
+    return "-" if entry["bits_per_base"] is None else f"{entry['bits_per_base']:.4f}"
+
+
+def print_report(report: dict) -> None:
+    """Bits/base per context bin for every series of a report, the probe, and the anchors."""
+    from megabase.eval.report import ANCHORS, series
+
+    console = Console()
+    curves = series(report)
+    table = Table(title=f"bits/base by prior context ({report['n_windows']:,} windows)",
+                  title_justify="left")
+    table.add_column("context")
+    table.add_column("bases", justify="right")
+    for name in curves:
+        table.add_column(name, justify="right")
+    for i, b in enumerate(report["bins"]):
+        table.add_row(f"[{b['context_lo']:,}, {b['context_hi']:,})", f"{b['n_tokens']:,}",
+                      *(_bits(c["bins"][i]) for c in curves.values()))
+    overall = report["overall"]
+    table.add_row("all", f"{overall['n_tokens']:,}", *(_bits(c["overall"]) for c in curves.values()),
+                  style="bold")
+    console.print(table)
+    lo, hi = overall["bits_per_base_ci"]
+    if lo is not None:
+        console.print(f"{report['name']}: {overall['bits_per_base']:.4f} bits/base "
+                      f"(95% CI {lo:.4f}-{hi:.4f} over windows); repeat "
+                      f"{_bits(overall['repeat'])}, unique {_bits(overall['unique'])}")
+    for row in report.get("probe", []):
+        console.print(f"recall probe d={row['distance']:,}: first copy "
+                      f"{row['first_copy_bits_per_base']:.3f}, second copy "
+                      f"{row['second_copy_bits_per_base']:.3f} bits/base")
+    console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
+    console.print(f"report: {', '.join(report['files'].values())} ({report['seconds']:.1f} s)")

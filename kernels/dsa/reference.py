@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 BLOCK_Q = 256
-BLOCK_K = 4096
+BLOCK_K = 1024
 
 
 def index_scores(q_idx, k_idx, w_idx, scale):
@@ -80,7 +80,8 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                 if keep_recent:
                     recent = (keys[None, :] > pos[:, None] - keep_recent) & ~invisible
                     s = s.masked_fill(recent[None], float("inf"))
-            best = _merge(best, s, keys, topk)
+            seen = min(block_k, offset + q1 - k0, Tk - k0)  # later columns are never visible
+            best = _merge(best, s[..., :seen], keys[:seen], topk)
         idx = best & 0xFFFFFFFF
         idx = idx.masked_fill((best >> 32) <= _NEG_INF_KEY, Tk)
         idx = idx.sort(-1).values[:, : q1 - q0]  # ascending positions, invalid (Tk) last

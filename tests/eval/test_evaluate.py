@@ -1,0 +1,53 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megabase.pipeline.cli import main
+
+
+def test_markov_order0_report_matches_base_counts(bundled_store, tmp_path, capsys):
+    code = main(["baseline", "markov", "--data", str(bundled_store.path), "--order", "0",
+                 "--train", "chr01,chr02", "--eval", "chr22", "--out", str(tmp_path / "r"),
+                 "--quiet", "--bootstrap", "50"])
+    assert code == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    train = np.concatenate([np.array(bundled_store.tokens(c)) for c in ("chr01", "chr02")])
+    evaluate = np.array(bundled_store.tokens("chr22"))
+    p = (np.bincount(train[train < 4], minlength=4) + 0.5) / ((train < 4).sum() + 2.0)
+    counts = np.bincount(evaluate[evaluate < 4], minlength=4)
+    direct = -(counts * np.log(p)).sum() / counts.sum() / math.log(2)
+    assert report["overall"]["bits_per_base"] == pytest.approx(direct, rel=1e-9)
+    assert report["overall"]["n_tokens"] == counts.sum()
+    assert (tmp_path / "r" / "report.csv").read_text().startswith("series,context_lo,context_hi")
+    assert (tmp_path / "r" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "published anchors" in capsys.readouterr().out
+
+
+def test_debug_checkpoint_evaluates_end_to_end(bundled_store, tmp_path):
+    import torch
+
+    from megabase.model import build_model, save_checkpoint
+
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(build_model("debug"), tmp_path / "ckpt", extra={"window_length": 2048})
+    code = main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-6,000", "--controls", "500", "--baseline", "1",
+                 "--train", "chr01:1-100,000", "--bootstrap", "20", "--quiet",
+                 "--out", str(tmp_path / "eval")])
+    assert code == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["n_windows"] == 3 and report["edges"] == [0, 1000, 2048]
+    for key in ("context_lo", "context_hi", "n_tokens", "nats_per_base", "bits_per_base"):
+        assert key in report["bins"][0] and key in report["overall"]
+    n_bases = int((np.array(bundled_store.tokens("chr22")[:6_000]) < 4).sum())
+    assert report["overall"]["n_tokens"] == n_bases
+    assert set(report["controls"]) == {"500"} and "markov order 1" in report["baselines"]
+    assert report["probe"][0]["distance"] == 1_000
+    assert 1.5 < report["overall"]["bits_per_base"] < 5
+
+
+def test_evaluate_rejects_a_missing_checkpoint(tmp_path, capsys):
+    code = main(["evaluate", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path)])
+    assert code == 2 and "not a checkpoint" in capsys.readouterr().err
