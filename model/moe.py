@@ -55,7 +55,7 @@ class MoE(nn.Module):
                 rows, slot = (sg == e).nonzero(as_tuple=True)
                 if rows.numel() == 0:
                     continue
-                a, b = tiled_matmul(xg[rows], self.w13[e].t()).chunk(2, dim=-1)
+                a, b = tiled_matmul(xg.index_select(0, rows), self.w13[e].t()).chunk(2, dim=-1)
                 y = tiled_matmul(F.silu(a) * b, self.w2[e].t())
                 yg = yg.index_add(0, rows, y * gg[rows, slot, None].to(x.dtype))
             parts.append(yg)
