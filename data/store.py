@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import replace_dir
 from .errors import InputError
 from .fasta import Record, read_fasta
 from .names import aliases, resolve_name
@@ -190,7 +191,7 @@ def prepare(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _swap_into_place(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -241,16 +242,6 @@ def _manifest_entry(rec: Record) -> dict:
         "mask": rec.sink.mask,
         "tokens_sha256": rec.tokens_sha256,
     }
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, old / "store")
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 class TokenStore:

@@ -7,15 +7,14 @@ given, regions in the order given, windows left to right.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_atomic
 from .errors import InputError
 from .names import Region, parse_region
 from .store import TokenStore
@@ -169,15 +168,7 @@ def write_bed(path: str | Path, windows: list[Window], comment: str | None = Non
     lines = [f"# {line}" for line in (comment or "").splitlines()]
     lines.append("#chrom\tstart\tend\tsplit")
     lines += [f"{w.chrom}\t{w.start}\t{w.end}\t{w.split}" for w in windows]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, ("\n".join(lines) + "\n").encode())
 
 
 def select_windows(windows: Sequence[Window] | str | Path, split: str | None = None) -> list[Window]:

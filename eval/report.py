@@ -10,11 +10,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from megabase.data.atomic import write_atomic
 
 from .bins import BinAccumulator
 
@@ -38,17 +38,6 @@ def score_series(scorer, store, windows, edges, n_boot: int = 1000, seed: int = 
         scored = ~np.isnan(nll)
         acc.add_window(np.nan_to_num(nll), scored, mask)
     return acc.summary(n_boot=n_boot, seed=seed)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def series(report: dict) -> dict[str, dict]:
@@ -102,7 +91,7 @@ def plot(report: dict, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    _atomic_write(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def write_report(report: dict, out: str | Path) -> dict[str, Path]:
@@ -111,7 +100,7 @@ def write_report(report: dict, out: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     report = {**report, "anchors": ANCHORS}
     paths = {"json": out / "report.json", "csv": out / "report.csv", "png": out / "report.png"}
-    _atomic_write(paths["json"], (json.dumps(report, indent=1) + "\n").encode())
-    _atomic_write(paths["csv"], to_csv(report).encode())
+    write_atomic(paths["json"], (json.dumps(report, indent=1) + "\n").encode())
+    write_atomic(paths["csv"], to_csv(report).encode())
     plot(report, paths["png"])
     return paths

@@ -9,13 +9,13 @@ Optimizer and data-loader state, when a trainer saves them, sit beside these two
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from megabase.data.atomic import replace_dir
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
@@ -48,13 +48,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
         tmp.chmod(0o755)
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / "checkpoint")
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
