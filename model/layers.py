@@ -32,14 +32,14 @@ class RMSNorm(nn.Module):
 ROW_TILE = 1024
 
 
-def tiled_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``ROW_TILE`` rows."""
+def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows."""
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
-    pad = (-M) % ROW_TILE
+    pad = (-M) % tile
     if pad:
         rows = F.pad(rows, (0, 0, 0, pad))
-    tiles = rows.reshape(-1, ROW_TILE, rows.shape[-1])
+    tiles = rows.reshape(-1, tile, rows.shape[-1])
     out = torch.matmul(tiles, weight.t().to(x.dtype)).reshape(-1, weight.shape[0])
     return out[:M].reshape(*x.shape[:-1], weight.shape[0])
 
