@@ -59,6 +59,12 @@ def parse_split(spec: str) -> tuple[str, list[str]]:
     name, sep, value = spec.partition("=")
     if not sep or not name.strip() or not value.strip():
         raise InputError(f"bad --split {spec!r}: expected NAME=REGION[,REGION...]")
+    return name.strip(), split_regions(value)
+
+
+def split_regions(value: str) -> list[str]:
+    """``"chr22:30,000,001-40,000,000,chr21"`` -> the two regions: commas separate regions,
+    commas inside coordinates are kept."""
     items: list[str] = []
     for part in value.split(","):
         part = part.strip()
@@ -66,7 +72,7 @@ def parse_split(spec: str) -> tuple[str, list[str]]:
             items[-1] += "," + part
         elif part:
             items.append(part)
-    return name.strip(), items
+    return items
 
 
 def _check_overlaps(regions: list[tuple[str, Region, int]]) -> None:

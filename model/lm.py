@@ -78,9 +78,13 @@ class HybridLM(nn.Module):
         """Empty streaming state: one dict per layer (KDA state + conv tail, DSA key caches)."""
         return [{} for _ in self.blocks]
 
-    def _nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and (tied or untied) head: ``[B, T, d] -> [B, T, vocab]`` fp32."""
         weight = self.embed.weight if self.head is None else self.head.weight
-        logits = tiled_matmul(self.norm(h), weight).float()
+        return tiled_matmul(self.norm(h), weight).float()
+
+    def _nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(h)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
                               reduction="none")
         return nll.reshape(targets.shape)
@@ -96,9 +100,7 @@ class HybridLM(nn.Module):
                 loads.append(load)
         expert_load = torch.stack(loads) if loads else x.new_zeros(0, self.cfg.n_experts)
         if targets is None:
-            weight = self.embed.weight if self.head is None else self.head.weight
-            logits = tiled_matmul(self.norm(x), weight).float()
-            return LMOutput(None, None, None, None, aux, expert_load, 0, logits)
+            return LMOutput(None, None, None, None, aux, expert_load, 0, self._logits(x))
         nll = self._chunked_nll(x, targets)
         mask = targets.long() < N_BASES
         if loss_mask is not None:

@@ -86,9 +86,9 @@ def cmd_baseline(args: argparse.Namespace) -> None:
 
 def _csv(text: str | None) -> list[str]:
     """Comma-separated names; commas inside region coordinates are kept."""
-    from megabase.data.windows import parse_split
+    from megabase.data.windows import split_regions
 
-    return parse_split(f"x={text}")[1] if text else []
+    return split_regions(text) if text else []
 
 
 def build_parser() -> argparse.ArgumentParser:
