@@ -8,9 +8,9 @@ Conventions of ``fla.ops.dsa.naive_dsa``::
 
 The lightning indexer scores ``I[t, s] = sum_j w[t, j] * relu(scale * q_idx[t, j] . k_idx[s])`` for
 ``s <= t`` in query blocks x key blocks, keeping a running top-k per query: peak memory
-O(block_q * (topk + block_k)). Sparse attention gathers the selected keys one query block at a time
-(checkpointed under autograd), so it keeps O(T * topk) indices and nothing quadratic. When
-``T <= topk`` every earlier key is selected and the layer is exactly dense causal attention.
+O(block_q * (topk + block_k)), ``block_k`` being the widest key chunk. Sparse attention gathers
+the selected keys one query block at a time (checkpointed under autograd), so it keeps
+O(T * topk) indices and nothing quadratic. When ``T <= topk`` every earlier key is selected and the layer is exactly dense causal attention.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 BLOCK_Q = 256
-BLOCK_K = 1024
+BLOCK_K = 8192
 
 
 def index_scores(q_idx, k_idx, w_idx, scale):
@@ -50,7 +50,9 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
 
     Selection is by score, ties going to the most recent key (a total order: any blocking of the
-    keys gives the same set).
+    keys gives the same set). Keys are scanned from the diagonal backwards in chunks that double
+    up to ``block_k``; once a query holds ``topk`` candidates only scores at or above its k-th
+    enter the merge, so the top-k work shrinks as the prefix grows.
 
     Args:
         keep_recent: always select the ``keep_recent`` most recent keys (``t - r < s <= t``).
@@ -61,27 +63,29 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     Tk = k_idx.shape[1]
     scale = DI**-0.5 if scale is None else scale
     out = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q_idx.device)
-    # Blocks are zero-padded to block_q queries x block_k keys: fixed shapes, so a score is
-    # bit-for-bit the same whatever the sequence length (streaming and full passes agree).
+    # Query blocks are zero-padded to block_q rows: one product shape, so a score is bit-for-bit
+    # the same whatever the sequence length (streaming and full passes agree).
     q_pad = _pad_rows(q_idx, block_q)
     w_pad = None if w_idx is None else _pad_rows(w_idx, block_q)
-    k_pad = _pad_rows(k_idx, block_k)
+    first = max(block_q, min(topk, block_k))
     for q0 in range(0, Tq, block_q):
         q1 = min(q0 + block_q, Tq)
         pos = torch.arange(q0, q0 + block_q, device=q_idx.device) + offset
         best = None  # [B, block_q, <= topk] composite keys, see _composite
-        for k0 in range(0, min(offset + q1, Tk), block_k):
-            keys = torch.arange(k0, k0 + block_k, device=q_idx.device)
-            s = index_scores(q_pad[:, q0 : q0 + block_q], k_pad[:, k0 : k0 + block_k],
+        end, width = min(offset + q1, Tk), first
+        while end > 0:
+            k0 = max(0, end - width)
+            keys = torch.arange(k0, end, device=q_idx.device)
+            s = index_scores(q_pad[:, q0 : q0 + block_q], k_idx[:, k0:end],
                              None if w_pad is None else w_pad[:, q0 : q0 + block_q], scale)
-            if k0 + block_k > offset + q0 or k0 + block_k > Tk or keep_recent:  # else all visible
-                invisible = (keys[None, :] > pos[:, None]) | (keys[None, :] >= Tk)
+            if end > offset + q0 or (keep_recent and end > offset + q0 - keep_recent + 1):
+                invisible = keys[None, :] > pos[:, None]
                 s = s.masked_fill(invisible[None], float("-inf"))
                 if keep_recent:
                     recent = (keys[None, :] > pos[:, None] - keep_recent) & ~invisible
                     s = s.masked_fill(recent[None], float("inf"))
-            seen = min(block_k, offset + q1 - k0, Tk - k0)  # later columns are never visible
-            best = _merge(best, s[..., :seen], keys[:seen], topk)
+            best = _merge(best, s, k0, topk)
+            end, width = k0, min(2 * width, block_k)
         idx = best & 0xFFFFFFFF
         idx = idx.masked_fill((best >> 32) <= _NEG_INF_KEY, Tk)
         idx = idx.sort(-1).values[:, : q1 - q0]  # ascending positions, invalid (Tk) last
@@ -95,7 +99,14 @@ def _order_key(s: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def _order_value(key: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_order_key`: int64 order keys -> fp32."""
+    bits = torch.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return bits.to(torch.int32).view(torch.float32)
+
+
 _NEG_INF_KEY = int(_order_key(torch.tensor([float("-inf")]))[0])
+_MIN_KEY = -(1 << 63)  # below every composite key: padding of candidate rows
 
 
 def _composite(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -107,24 +118,36 @@ def _composite(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _order_key(scores) * (1 << 32) + keys
 
 
-def _merge(best, scores, keys, topk: int):
-    """The top ``topk`` of ``best`` (composite keys) and a block's ``scores`` at ``keys``.
+def _merge(best, scores, k0: int, topk: int):
+    """The top ``topk`` of ``best`` (composite keys) and a chunk's ``scores [B, bq, n]`` of keys
+    ``k0 .. k0 + n``.
 
-    Rows whose best block score cannot beat their current k-th key are left alone: once a query
-    has seen many keys most blocks skip the composite encoding and the top-k entirely.
+    Only a chunk's candidates that can enter are encoded: those at or above the row's current
+    k-th score (the chunk's own k-th while ``best`` is not full), gathered into a ``-inf``-padded
+    row of the widest row's count.
     """
-    if best is None or best.shape[-1] < topk:
-        cand = _composite(scores, keys)
-        both = cand if best is None else torch.cat([best, cand], dim=-1)
-        return both.topk(min(topk, both.shape[-1]), dim=-1).values
-    floor = best.amin(-1) >> 32  # order key of each row's k-th score
-    rows = _order_key(scores.amax(-1)) >= floor  # ties can win: newer keys rank first
-    if not bool(rows.any()):
-        return best
-    best = best.clone()
-    both = torch.cat([best[rows], _composite(scores[rows], keys)], dim=-1)
-    best[rows] = both.topk(topk, dim=-1).values
-    return best
+    B, bq, n = scores.shape
+    if best is not None and best.shape[-1] >= topk:
+        floor = _order_value(best.amin(-1) >> 32)
+    elif n > topk:
+        floor = scores.topk(topk, dim=-1, sorted=False).values.amin(-1)
+    else:
+        floor = None
+    if floor is None:
+        cand = _composite(scores, torch.arange(k0, k0 + n, device=scores.device))
+    else:
+        b, row, col = (scores >= floor[..., None]).nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return best
+        flat = b * bq + row
+        counts = torch.bincount(flat, minlength=B * bq)
+        c = int(counts.amax())
+        rank = torch.arange(flat.shape[0], device=scores.device) - (counts.cumsum(0) - counts)[flat]
+        cand = torch.full((B * bq, c), _MIN_KEY, dtype=torch.long, device=scores.device)
+        cand[flat, rank] = _composite(scores[b, row, col], col + k0)
+        cand = cand.reshape(B, bq, c)
+    both = cand if best is None else torch.cat([best, cand], dim=-1)
+    return both.topk(min(topk, both.shape[-1]), dim=-1, sorted=False).values
 
 
 def _pad_rows(x, multiple: int):
@@ -211,21 +234,37 @@ def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048,
     return (o, indices) if return_indices else o
 
 
-def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None):
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 1024):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
     ``target [B, T, topk]``: head-summed, L1-normalised main attention over the same selection.
     Pass ``q_idx/k_idx/w_idx`` computed from a detached layer input, so only the indexer learns.
+    Computed ``block_q`` queries at a time (checkpointed under autograd): the gathered index keys
+    of one block, never of the whole sequence, are alive at once.
     """
     scale = q_idx.shape[-1] ** -0.5 if scale is None else scale
+    B, T = indices.shape[:2]
+    total = q_idx.new_zeros((), dtype=torch.float)
+    for q0 in range(0, T, block_q):
+        rows = slice(q0, q0 + block_q)
+        args = (q_idx[:, rows], k_idx, None if w_idx is None else w_idx[:, rows],
+                indices[:, rows], target[:, rows], scale)
+        if torch.is_grad_enabled() and T > block_q:
+            total = total + checkpoint(_kl_block, *args, use_reentrant=False)
+        else:
+            total = total + _kl_block(*args)
+    return total / max(B * T, 1)
+
+
+def _kl_block(q_idx, k_idx, w_idx, indices, target, scale):
+    """Summed sparse KL of one query block (see :func:`indexer_kl_sparse`)."""
     valid = indices >= 0
-    ks = _gather(k_idx[:, :, None, :], indices.clamp(min=0))[:, :, :, 0]  # [B, T, topk, DI]
+    ks = _gather(k_idx[:, :, None, :], indices.clamp(min=0))[:, :, :, 0]  # [B, bq, topk, DI]
     s = torch.relu(torch.einsum("bqhd,bqkd->bqhk", q_idx.float(), ks.float()) * scale)
     s = s.sum(2) if w_idx is None else torch.einsum("bqhk,bqh->bqk", s, w_idx.float())
     logq = s.masked_fill(~valid, float("-inf")).log_softmax(-1)
     p = target.masked_fill(~valid, 0.0)
-    kl = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
-    return kl.mean()
+    return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum()
 
 
 def indexer_kl_dense(q, k, q_idx, k_idx, w_idx=None, scale=None, index_scale=None,

@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 CHUNK = 64
 SUB = 16
-FRAME = 16  # chunks computed together: a fixed shape, so results never depend on the sequence length
-SEGMENT = 16384
+FRAME = 64  # chunks computed together: a fixed shape, so results never depend on the sequence length
+SEGMENT = 65536
 
 
 def _expand(q, k, v, g, beta, scale):
@@ -81,26 +81,26 @@ def _decay_products(a, b, gam, inclusive: bool):
     mid = G[..., s // 2 : s // 2 + 1, :]
     span = torch.maximum(G[..., :1, :] - mid, mid - G[..., -1:, :])
     if float(span.detach().amax()) <= SAFE_EXP:
-        diag = (A * (G - mid).exp().float()) @ (Bb * (mid - G).exp().float()).transpose(-1, -2)
+        diag = (A * (G - mid).float().exp()) @ (Bb * (mid - G).float().exp()).transpose(-1, -2)
         diag = diag.masked_fill(~mask, 0.0)
     else:
         diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~mask[:, :, None], float("-inf"))
-        diag = (A[..., :, None, :] * Bb[..., None, :, :] * diff.exp().float()).sum(-1)
-    rows = []
-    for i in range(nb):
-        row = []
-        for j in range(nb):
-            if j < i:
-                ref = G[..., j, -1:, :]
-                left = A[..., i, :, :] * (G[..., i, :, :] - ref).exp().float()
-                right = Bb[..., j, :, :] * (ref - G[..., j, :, :]).exp().float()
-                row.append(left @ right.transpose(-1, -2))
-            elif j == i:
-                row.append(diag[..., i, :, :])
-            else:
-                row.append(torch.zeros_like(diag[..., i, :, :]))
-        rows.append(torch.cat(row, dim=-1))
-    return torch.cat(rows, dim=-2)
+        diag = (A[..., :, None, :] * Bb[..., None, :, :] * diff.float().exp()).sum(-1)
+    if nb == 1:
+        return diag.reshape(*a.shape[:-1], C)
+    # Sub-block (i, j), i > j, factors through the last row of sub-block j; all pairs are formed at
+    # once (one batched product) and the upper ones discarded. Exponents are clamped at 0 so the
+    # discarded pairs cannot overflow; the kept ones are <= 0 already.
+    ref = G[..., -1:, :]  # [..., nb, 1, K]
+    gap = (G[..., :, None, :, :] - ref[..., None, :, :, :]).clamp(max=0)
+    left = A[..., :, None, :, :] * gap.float().exp()
+    right = Bb * (ref - G).float().exp()  # [..., nb, s, K]
+    pairs = left @ right[..., None, :, :, :].transpose(-1, -2)  # [..., nb_i, nb_j, s, s]
+    blocks = torch.arange(nb, device=a.device)
+    lower = (blocks[:, None] > blocks[None, :]).to(pairs.dtype)[:, :, None, None]
+    eye = torch.eye(nb, dtype=pairs.dtype, device=a.device)[:, :, None, None]
+    full = pairs * lower + diag[..., :, None, :, :] * eye
+    return full.transpose(-3, -2).reshape(*a.shape[:-1], C)
 
 
 def _segment(q, k, v, g, beta, state, chunk: int):
@@ -125,21 +125,22 @@ def _frame(q, k, v, g, beta, state, chunk: int):
     gam = g.double().cumsum(-2)
     L = beta * _decay_products(k, k, gam, inclusive=False)
     eye = torch.eye(chunk, device=q.device, dtype=q.dtype)
-    rhs = torch.cat([beta * v, beta * gam.exp().float() * k], dim=-1)
+    rhs = torch.cat([beta * v, beta * gam.float().exp() * k], dim=-1)
     UW = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
     U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
-    kd = (k * (gam[..., -1:, :] - gam).exp().float()).transpose(-1, -2)
+    kd = (k * (gam[..., -1:, :] - gam).float().exp()).transpose(-1, -2)
     # Chunk to chunk: S' = (Diag(last) - kd W) S + kd U; only this recurrence is sequential.
-    last = gam[..., -1, :].exp().float()
+    last = gam[..., -1, :].float().exp()
     decay = torch.diag_embed(last) - kd @ W
     inject = kd @ U
     states = []
-    for c in range(n):
+    # unbind once: indexing chunk by chunk would make autograd zero-fill the whole tensor per chunk
+    for dec, inj in zip(decay.unbind(2), inject.unbind(2)):
         states.append(state)
-        state = decay[:, :, c] @ state + inject[:, :, c]
+        state = torch.baddbmm(inj.flatten(0, 1), dec.flatten(0, 1), state.flatten(0, 1)).view_as(state)
     S = torch.stack(states, dim=2)
     Aqk = _decay_products(q, k, gam, inclusive=True)
-    o = (q * gam.exp().float()) @ S + Aqk @ (U - W @ S)
+    o = (q * gam.float().exp()) @ S + Aqk @ (U - W @ S)
     return o.reshape(B, HV, Ts, -1), state
 
 

@@ -60,6 +60,16 @@ def test_running_topk_is_blocking_invariant_with_ties(blocks):
     assert torch.equal(idx, dense_topk(qi, ki, wi, 6))
 
 
+@pytest.mark.parametrize("block_k", [16, 40, 4096])
+def test_threshold_merge_matches_the_definition(block_k):
+    """Long prefixes: later key chunks only contribute scores above each row's k-th."""
+    _, _, _, qi, ki, wi = make(1, 300, 1, 1, 4, 2, 5, 12, seed=3)
+    idx = dsa_indexer(qi, ki, wi, 12, block_q=16, block_k=block_k)
+    assert torch.equal(idx, dense_topk(qi, ki, wi, 12))
+    tail = dsa_indexer(qi[:, 160:], ki, wi[:, 160:], 12, block_q=16, block_k=block_k, offset=160)
+    assert torch.equal(tail, idx[:, 160:])
+
+
 def test_dense_when_t_le_topk():
     q, k, v, qi, ki, wi = make(1, 33, 4, 2, 8, 2, 4, 64, seed=4)
     o = dsa_attention(q, k, v, qi, ki, wi, topk=64)
