@@ -10,7 +10,8 @@ The lightning indexer scores ``I[t, s] = sum_j w[t, j] * relu(scale * q_idx[t, j
 ``s <= t`` in query blocks x key blocks, keeping a running top-k per query: peak memory
 O(block_q * (topk + block_k)), ``block_k`` being the widest key chunk. Sparse attention gathers
 the selected keys one query block at a time (checkpointed under autograd), so it keeps
-O(T * topk) indices and nothing quadratic. When ``T <= topk`` every earlier key is selected and the layer is exactly dense causal attention.
+O(T * topk) indices and nothing quadratic. When ``T <= topk`` every earlier key is selected and
+the layer is exactly dense causal attention.
 """
 
 from __future__ import annotations
@@ -169,56 +170,98 @@ def _gather(x, idx):
     return x.reshape(B * T, *x.shape[2:]).index_select(0, flat).reshape(*idx.shape, *x.shape[2:])
 
 
-def _attend_block(q, k, v, idx, scale):
-    """Softmax attention of ``q [B, bq, HQ, D]`` over the keys ``idx [B, bq, K]`` selects.
+def _block_scores(q, k, v, idx, scale):
+    """Gathered keys/values and masked scores of one query block.
 
-    Returns ``(o [B, bq, HQ, DV], probs [B, bq, HQ, K])``.
+    ``q [B, bq, HQ, D]``, ``idx [B, bq, K]`` -> ``(ks, vs [B, bq, K, H, *], scores [B, bq, H, G, K])``.
     """
     B, bq, HQ, D = q.shape
     H = k.shape[2]
-    valid = idx >= 0
     ks, vs = _gather(k, idx.clamp(min=0)), _gather(v, idx.clamp(min=0))
-    qg = q.reshape(B, bq, H, HQ // H, D)
-    scores = torch.einsum("bqhgd,bqkhd->bqhgk", qg, ks) * scale
-    scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    p = scores.softmax(-1)
-    o = torch.einsum("bqhgk,bqkhd->bqhgd", p, vs)
-    return o.reshape(B, bq, HQ, -1), p.reshape(B, bq, HQ, -1)
+    scores = torch.einsum("bqhgd,bqkhd->bqhgk", q.reshape(B, bq, H, HQ // H, D), ks) * scale
+    return ks, vs, scores.masked_fill((idx < 0)[:, :, None, None, :], float("-inf"))
+
+
+class _SparseAttention(torch.autograd.Function):
+    """Block-by-block sparse softmax attention with a flash-style backward.
+
+    Forward keeps only its inputs, the output and the log-sum-exp per query and head; backward
+    re-gathers one block's keys at a time and adds its key/value gradients with ``index_add_``.
+    Every temporary has one block's shape, and outputs go into buffers allocated once: nothing
+    block-sized outlives its block (freed blocks are reused, the heap does not fragment).
+    Inputs are fp32, ``q``/``idx`` padded to whole blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, scale, block_q):
+        B, Tq, HQ, _ = q.shape
+        o = q.new_empty(B, Tq, HQ, v.shape[-1])
+        lse = q.new_empty(B, Tq, HQ)
+        probs = q.new_empty(B, Tq, idx.shape[-1])
+        for q0 in range(0, Tq, block_q):
+            rows = slice(q0, q0 + block_q)
+            _, vs, scores = _block_scores(q[:, rows], k, v, idx[:, rows], scale)
+            m = scores.logsumexp(-1)
+            m = m.masked_fill(~torch.isfinite(m), 0.0)
+            p = (scores - m[..., None]).exp()
+            o[:, rows] = torch.einsum("bqhgk,bqkhd->bqhgd", p, vs).reshape(B, -1, HQ, v.shape[-1])
+            lse[:, rows] = m.reshape(B, -1, HQ)
+            ph = p.sum((2, 3))
+            probs[:, rows] = ph / ph.sum(-1, keepdim=True).clamp_min(1e-30)
+        ctx.save_for_backward(q, k, v, idx, o, lse)
+        ctx.scale, ctx.block_q = scale, block_q
+        ctx.mark_non_differentiable(probs)
+        return o, probs
+
+    @staticmethod
+    def backward(ctx, do, _dprobs):
+        q, k, v, idx, o, lse = ctx.saved_tensors
+        scale, block_q = ctx.scale, ctx.block_q
+        B, Tq, HQ, D = q.shape
+        Tk, H = k.shape[1], k.shape[2]
+        G = HQ // H
+        dq = torch.empty_like(q)
+        dk = torch.zeros(B * Tk, H, D, dtype=k.dtype, device=k.device)
+        dv = torch.zeros(B * Tk, H, v.shape[-1], dtype=v.dtype, device=v.device)
+        base = torch.arange(B, device=q.device)[:, None, None] * Tk
+        for q0 in range(0, Tq, block_q):
+            rows = slice(q0, q0 + block_q)
+            qb, ib = q[:, rows], idx[:, rows]
+            ks, vs, scores = _block_scores(qb, k, v, ib, scale)
+            bq = qb.shape[1]
+            p = (scores - lse[:, rows].reshape(B, bq, H, G)[..., None]).exp()
+            dob = do[:, rows].reshape(B, bq, H, G, -1)
+            delta = (dob * o[:, rows].reshape(B, bq, H, G, -1)).sum(-1, keepdim=True)
+            ds = p * (torch.einsum("bqhgd,bqkhd->bqhgk", dob, vs) - delta) * scale
+            dq[:, rows] = torch.einsum("bqhgk,bqkhd->bqhgd", ds, ks).reshape(B, bq, HQ, D)
+            flat = (ib.clamp(min=0) + base).reshape(-1)  # invalid slots carry zero gradient
+            qg = qb.reshape(B, bq, H, G, D)
+            dk.index_add_(0, flat, torch.einsum("bqhgk,bqhgd->bqkhd", ds, qg).reshape(-1, H, D))
+            dv.index_add_(0, flat, torch.einsum("bqhgk,bqhgd->bqkhd", p, dob).reshape(-1, H, v.shape[-1]))
+        return dq, dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
                      return_probs: bool = False):
     """Attention of each query over its selected keys only: ``o [B, Tq, HQ, DV]`` (dtype of q).
 
-    ``k, v`` may hold more keys than there are queries (a streaming cache): ``indices`` index them. With autograd on,
-    each query block is checkpointed (recomputed in backward). ``return_probs`` also returns the
-    head-summed, L1-normalised attention over the selected keys ``[B, Tq, topk]`` (detached), the
-    target of the sparse indexer loss.
+    ``k, v`` may hold more keys than there are queries (a streaming cache): ``indices`` index them.
+    Computed ``block_q`` queries at a time; under autograd only the inputs, ``o`` and the
+    log-sum-exp are kept. ``return_probs`` also returns the head-summed, L1-normalised attention
+    over the selected keys ``[B, Tq, topk]`` (no gradient), the target of the sparse indexer loss.
     """
     HQ, H = q.shape[2], k.shape[2]
     if HQ % H:
         raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dtype = q.dtype
-    qf, kf, vf = q.float(), k.float(), v.float()
-    outs, probs = [], []
     Tq = q.shape[1]
-    q_pad = _pad_rows(qf, block_q)  # fixed block shapes, as in the indexer
+    # fixed block shapes, as in the indexer: outputs never depend on the sequence length
+    q_pad = _pad_rows(q.float(), block_q)
     idx_pad = torch.cat([indices, indices.new_zeros(indices.shape[0], q_pad.shape[1] - Tq,
                                                     indices.shape[2])], dim=1)
-    for q0 in range(0, Tq, block_q):
-        n = min(block_q, Tq - q0)
-        args = (q_pad[:, q0 : q0 + block_q], kf, vf, idx_pad[:, q0 : q0 + block_q], scale)
-        if torch.is_grad_enabled() and Tq > block_q:
-            o, p = checkpoint(_attend_block, *args, use_reentrant=False)
-        else:
-            o, p = _attend_block(*args)
-        outs.append(o[:, :n])
-        if return_probs:
-            p = p[:, :n].detach().sum(2)
-            probs.append(p / p.sum(-1, keepdim=True).clamp_min(1e-30))
-    o = torch.cat(outs, dim=1).to(dtype) if outs else q.new_zeros(*q.shape[:3], v.shape[-1])
-    return (o, torch.cat(probs, dim=1)) if return_probs else o
+    o, probs = _SparseAttention.apply(q_pad, k.float(), v.float(), idx_pad, scale, block_q)
+    o = o[:, :Tq].to(q.dtype)
+    return (o, probs[:, :Tq]) if return_probs else o
 
 
 def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048, scale=None,

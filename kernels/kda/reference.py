@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 CHUNK = 64
 SUB = 16
 FRAME = 64  # chunks computed together: a fixed shape, so results never depend on the sequence length
-SEGMENT = 65536
+SEGMENT = 32768
 
 
 def _expand(q, k, v, g, beta, scale):
