@@ -14,6 +14,7 @@ from .bins import check_edges, default_edges
 from .markov import MarkovModel
 from .report import score_series, write_report
 from .score import ModelScorer, markov_scorer, recall_probe, truncated
+from .tracking import DEFAULT_EXPERIMENT, abandon_run, log_report, open_run
 
 
 def eval_windows(store: TokenStore, windows: str | Path | None, split: str, regions: list[str],
@@ -46,16 +47,32 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
              edges: list[int] | None = None, controls: tuple[int, ...] = (1_000,),
              probe: bool = True, baselines: tuple[int, ...] = (), train: tuple[str, ...] = (),
              segment: int = 65_536, n_boot: int = 1000, seed: int = 0,
-             progress: bool = True) -> dict:
+             progress: bool = True, mlflow_run: str | None = None,
+             experiment: str | None = None, tracking_uri: str | None = None,
+             track: bool = True) -> dict:
     """Score a checkpoint on held-out windows; write report.json/csv/png into ``out``.
 
     ``controls``: context limits for the truncation control; ``baselines``: Markov orders fitted
     on ``train`` regions and scored on the same windows; ``probe``: the in-context recall probe.
+    MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
+    (``config.json`` key ``mlflow``), else to a new run of ``experiment`` when one is named;
+    ``track=False`` logs nothing.
     """
     from megabase.model import load_checkpoint, read_checkpoint_config
 
     started = time.perf_counter()
     config = read_checkpoint_config(checkpoint)
+    tracking = None
+    if track:
+        recorded = config.get("mlflow") or {}
+        run = mlflow_run or (None if experiment else recorded.get("run_id"))
+        if run or experiment:
+            uri = tracking_uri or (recorded.get("tracking_uri") if run == recorded.get("run_id")
+                                   else None)
+            tracking = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
+                            run_name=f"evaluate {Path(checkpoint).name}")
+            if run:  # checked now: a wrong run id fails before minutes of scoring
+                open_run(**tracking)
     model = load_checkpoint(checkpoint)
     store = TokenStore(data)
     length = length or int(config.get("window_length", 65_536))
@@ -87,15 +104,42 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
         report["probe"] = recall_probe(scorer, held_out, distances, seed=seed)
     report["seconds"] = time.perf_counter() - started
     out = Path(out) if out else Path(checkpoint) / "eval"
-    report["files"] = {k: str(p) for k, p in write_report(report, out).items()}
+    return _finish(report, out, tracking)
+
+
+def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
+    """Write the report files, then log them to MLflow (``tracking``: :func:`open_run` arguments).
+
+    A run is created only now, once the report exists; if logging fails, that run is deleted.
+    """
+    target = open_run(**tracking) if tracking else None
+    if target:
+        report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
+    try:
+        files = write_report(report, out)
+        report["files"] = {k: str(p) for k, p in files.items()}
+        if target:
+            log_report(report, files, target)
+    except BaseException:
+        if target:
+            abandon_run(target)
+        raise
     return report
 
 
 def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions: list[str],
                     out: str | Path, length: int = 65_536, edges: list[int] | None = None,
-                    n_boot: int = 1000, seed: int = 0, progress: bool = True) -> dict:
-    """Fit an order-``order`` Markov model on ``train`` and report it on ``eval_regions``."""
+                    n_boot: int = 1000, seed: int = 0, progress: bool = True,
+                    experiment: str | None = None, tracking_uri: str | None = None) -> dict:
+    """Fit an order-``order`` Markov model on ``train`` and report it on ``eval_regions``.
+
+    With ``experiment``, the report is also logged to a new MLflow run of that experiment.
+    """
     started = time.perf_counter()
+    tracking = None
+    if experiment:
+        tracking = dict(tracking_uri=tracking_uri, experiment=experiment,
+                        run_name=f"markov order {order}", kind="baseline")
     store = TokenStore(data)
     wins = eval_windows(store, None, "eval", eval_regions, length)
     edges = check_edges(edges) if edges else default_edges(max(w.length for w in wins))
@@ -105,5 +149,4 @@ def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions
               "window_length": length, "edges": edges,
               **score_series(scorer, store, wins, edges, n_boot, seed, progress, f"markov {order}")}
     report["seconds"] = time.perf_counter() - started
-    report["files"] = {k: str(p) for k, p in write_report(report, out).items()}
-    return report
+    return _finish(report, Path(out), tracking)

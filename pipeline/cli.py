@@ -71,6 +71,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         controls=tuple(int(c) for c in _csv(args.controls)), probe=not args.no_probe,
         baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
         segment=args.segment, n_boot=args.bootstrap, seed=args.seed, progress=not args.quiet,
+        mlflow_run=args.mlflow_run, experiment=args.experiment, tracking_uri=args.tracking_uri,
+        track=not args.no_mlflow,
     )
     summary.print_report(report)
 
@@ -80,8 +82,21 @@ def cmd_baseline(args: argparse.Namespace) -> None:
 
     report = markov_baseline(args.data, args.order, _csv(args.train), _csv(args.eval), args.out,
                              length=args.length, n_boot=args.bootstrap, seed=args.seed,
-                             progress=not args.quiet)
+                             progress=not args.quiet, experiment=args.experiment,
+                             tracking_uri=args.tracking_uri)
     summary.print_report(report)
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from megabase.eval.compare import compare
+
+    table = compare(args.refs, tracking_uri=args.tracking_uri, with_baselines=args.baselines)
+    summary.print_compare(table)
+    if args.csv:
+        from megabase.data.atomic import write_atomic
+
+        write_atomic(Path(args.csv), table.to_csv().encode())
+        print(f"table written to {args.csv}")
 
 
 def _csv(text: str | None) -> list[str]:
@@ -145,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="report directory (default CHECKPOINT/eval)")
+    _tracking_flags(p)
+    p.add_argument("--mlflow-run", metavar="RUN_ID",
+                   help="log the report to this MLflow run (default: the checkpoint's own run)")
+    p.add_argument("--no-mlflow", action="store_true", help="log nothing to MLflow")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
 
@@ -158,9 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="report directory")
+    _tracking_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_baseline)
+
+    p = sub.add_parser("compare", help="bits/base per context bin of several reports side by side")
+    p.add_argument("refs", nargs="+", metavar="RUN_ID_OR_REPORT",
+                   help="report.json, a report directory, or an MLflow run id")
+    p.add_argument("--baselines", action="store_true",
+                   help="also show each report's controls and baselines")
+    p.add_argument("--tracking-uri", help="MLflow store for run ids (default $MLFLOW_TRACKING_URI "
+                   "or sqlite:///work/mlflow.db)")
+    p.add_argument("--csv", help="also write the table as CSV")
+    p.set_defaults(func=cmd_compare)
     return parser
+
+
+def _tracking_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", help="log the report to a new MLflow run of this experiment")
+    p.add_argument("--tracking-uri", help="MLflow store, sqlite:///path/mlflow.db or http(s)://... "
+                   "(default $MLFLOW_TRACKING_URI or sqlite:///work/mlflow.db)")
 
 
 def _positive_int(text: str) -> int:

@@ -93,3 +93,33 @@ def print_report(report: dict) -> None:
                       f"{row['second_copy_bits_per_base']:.3f} bits/base")
     console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
     console.print(f"report: {', '.join(report['files'].values())} ({report['seconds']:.1f} s)")
+    if report.get("mlflow"):
+        m = report["mlflow"]
+        console.print(f"MLflow run {m['run_id']} in {m['tracking_uri']}; browse with "
+                      f"`mlflow ui --backend-store-uri {m['tracking_uri']}`")
+
+
+def print_compare(table) -> None:
+    """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column."""
+    console = Console()
+    out = Table(title="bits/base by prior context", title_justify="left")
+    out.add_column("context")
+    for name in table.columns:
+        out.add_column(name, justify="right")
+    for name in table.columns[1:]:
+        out.add_column(f"gain of {name}", justify="right")
+    gains = [table.gain(c) for c in range(1, len(table.columns))]
+    for r, row in enumerate(table.rows):
+        label = f"[{row[0]:,}, {row[1]:,})" if row else "all"
+        cells = [_num(b[r]) for b in table.bits] + [_num(g[r], signed=True) for g in gains]
+        out.add_row(label, *cells, style=None if row else "bold")
+    console.print(out)
+    if gains:
+        console.print(f"gain = bits/base of {table.columns[0]!r} minus the column's: positive "
+                      "means fewer bits, a better model")
+
+
+def _num(x: float, signed: bool = False) -> str:
+    if x != x:
+        return "-"
+    return f"{x:+.4f}" if signed else f"{x:.4f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -64,3 +65,26 @@ def pysam_fasta(fasta: Path, workdir: Path):
     if not link.exists():
         link.symlink_to(fasta)
     return pysam.FastaFile(str(link))
+
+
+@pytest.fixture(scope="session")
+def tracked(bundled_store, tmp_path_factory):
+    """One SQLite store with an evaluated debug checkpoint and an order-2 Markov baseline."""
+    import torch
+
+    from megabase.model import build_model, save_checkpoint
+    from megabase.pipeline.cli import main
+
+    root = tmp_path_factory.mktemp("tracked")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(build_model("debug"), root / "ckpt", extra={"window_length": 2048})
+    common = ["--bootstrap", "20", "--quiet", "--tracking-uri", uri, "--experiment", "tiny"]
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-6,000", "--controls", "500", "--no-probe",
+                 "--out", str(root / "model"), *common]) == 0
+    assert main(["baseline", "markov", "--data", str(bundled_store.path), "--order", "2",
+                 "--train", "chr01", "--eval", "chr22:1-6,000", "--length", "2048",
+                 "--out", str(root / "markov"), *common]) == 0
+    reports = {n: json.loads((root / n / "report.json").read_text()) for n in ("model", "markov")}
+    return {"root": root, "uri": uri, "ckpt": ckpt, "reports": reports}

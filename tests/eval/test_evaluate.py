@@ -51,3 +51,30 @@ def test_debug_checkpoint_evaluates_end_to_end(bundled_store, tmp_path):
 def test_evaluate_rejects_a_missing_checkpoint(tmp_path, capsys):
     code = main(["evaluate", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path)])
     assert code == 2 and "not a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("genome, eval_region, train_region", [
+    ("umaydis_store", "chr22:1-4,096", "chr01,chr02:1-200,000"),
+    # a region split of human chr22: fit on one part, score another
+    ("hsap_store", "chr22:30,024,577-30,028,672", "chr22:20,000,001-30,000,000"),
+])
+def test_debug_checkpoint_on_the_real_genomes(request, tmp_path, genome, eval_region,
+                                              train_region):
+    import torch
+
+    from megabase.data.names import parse_region
+    from megabase.model import build_model, save_checkpoint
+
+    store = request.getfixturevalue(genome)
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(build_model("debug"), tmp_path / "ckpt", extra={"window_length": 2048})
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(store.path),
+                 "--regions", eval_region, "--controls", "500", "--baseline", "0",
+                 "--train", train_region, "--no-probe", "--bootstrap", "20", "--quiet",
+                 "--no-mlflow", "--out", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    region = parse_region(eval_region, store.names)
+    bases = np.array(store.tokens(region.name)[region.start : region.end])
+    assert report["overall"]["n_tokens"] == int((bases < 4).sum()) > 0
+    assert sum(b["n_tokens"] for b in report["bins"]) == report["overall"]["n_tokens"]
+    assert 1.0 < report["baselines"]["markov order 0"]["overall"]["bits_per_base"] < 2.1

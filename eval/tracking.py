@@ -1,0 +1,220 @@
+"""MLflow tracking of evaluation reports, and loading reports back from runs or files.
+
+The tracking store is always a database (``sqlite:///path/mlflow.db``) or a server
+(``http(s)://``): MLflow >= 3.13 refuses the old ``./mlruns`` file store. A plain path ending in
+``.db`` is taken as a SQLite file. Artifacts of experiments created here sit beside the database
+(``<db dir>/mlartifacts``), never in the working directory.
+
+What a report logs to a run: one metric per context bin (``eval/bits_per_base/ctx_LO-HI``), the
+overall numbers, the same per bin for every control, the overall number of every baseline,
+``eval/bits_per_base_by_context`` with the bin's upper edge as step (MLflow draws it as the curve),
+the table of every series and bin (``eval/bins.json``, read back with ``mlflow.load_table``), and
+``report.json``, ``report.csv`` and ``report.png`` under ``eval/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from megabase.data.errors import InputError
+
+DEFAULT_TRACKING_URI = "sqlite:///work/mlflow.db"
+DEFAULT_EXPERIMENT = "megabase"
+TABLE = "eval/bins.json"
+REPORT = "eval/report.json"
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """``uri``, else ``$MLFLOW_TRACKING_URI``, else :data:`DEFAULT_TRACKING_URI`; SQLite paths absolute.
+
+    Refuses file stores (``file:``, ``./mlruns``) with the fix in the message.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if "://" not in uri:
+        if not uri.endswith(".db"):
+            raise InputError(f"tracking URI {uri!r} is a file store, which MLflow >= 3.13 refuses; "
+                             "pass sqlite:///path/mlflow.db (or a path ending in .db)")
+        return f"sqlite:///{Path(uri).resolve()}"
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        path = path if path.is_absolute() else path.resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    if uri.startswith("file:"):
+        raise InputError(f"tracking URI {uri!r} is a file store, which MLflow >= 3.13 refuses; "
+                         "pass sqlite:///path/mlflow.db")
+    return uri
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, uri: str, name: str) -> str:
+    """Id of experiment ``name``, created (artifacts beside a SQLite database) if missing."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def bin_key(b: dict) -> str:
+    return f"ctx_{b['context_lo']}-{b['context_hi']}"
+
+
+def report_metrics(report: dict) -> dict[str, float]:
+    """The flat metrics of a report (see the module docs), NaN-free."""
+    out: dict[str, float] = {}
+
+    def add(prefix: str, summary: dict, per_bin: bool) -> None:
+        o = summary["overall"]
+        out[f"{prefix}/n_tokens"] = float(o["n_tokens"])
+        for field in ("bits_per_base", "nats_per_base", "perplexity"):
+            out[f"{prefix}/{field}"] = o[field]
+        for part in ("unique", "repeat"):
+            out[f"{prefix}/{part}/bits_per_base"] = o[part]["bits_per_base"]
+        if per_bin:
+            for b in summary["bins"]:
+                out[f"{prefix}/bits_per_base/{bin_key(b)}"] = b["bits_per_base"]
+                out[f"{prefix}/n_tokens/{bin_key(b)}"] = float(b["n_tokens"])
+
+    add("eval", report, per_bin=True)
+    for limit, summary in report.get("controls", {}).items():
+        add(f"eval/control_{limit}", summary, per_bin=True)
+    for name, summary in report.get("baselines", {}).items():
+        add("eval/baseline/" + name.replace(" ", "_"), summary, per_bin=False)
+    return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
+
+
+def report_table(report: dict) -> dict[str, list]:
+    """Columns of one row per (series, bin): what ``eval/bins.json`` holds. ``role`` is
+    ``model`` for the report's own curve (a baseline report's too), else ``control``/``baseline``."""
+    from .report import series
+
+    roles = {report.get("name", "model"): "model"}
+    roles.update({f"control, context <= ~{c}": "control" for c in report.get("controls", {})})
+    roles.update({name: "baseline" for name in report.get("baselines", {})})
+    cols: dict[str, list] = {k: [] for k in (
+        "series", "role", "context_lo", "context_hi", "n_tokens", "bits_per_base",
+        "nats_per_base", "bits_ci_lo", "bits_ci_hi", "unique_bits_per_base",
+        "repeat_bits_per_base")}
+    for name, s in series(report).items():
+        for b in s["bins"]:
+            row = {"series": name, "role": roles.get(name, "model"),
+                   "context_lo": b["context_lo"], "context_hi": b["context_hi"],
+                   "n_tokens": b["n_tokens"], "bits_per_base": b["bits_per_base"],
+                   "nats_per_base": b["nats_per_base"], "bits_ci_lo": b["bits_per_base_ci"][0],
+                   "bits_ci_hi": b["bits_per_base_ci"][1],
+                   "unique_bits_per_base": b["unique"]["bits_per_base"],
+                   "repeat_bits_per_base": b["repeat"]["bits_per_base"]}
+            for key, value in row.items():
+                cols[key].append(value)
+    return cols
+
+
+def open_run(tracking_uri: str | None = None, run_id: str | None = None,
+             experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
+             kind: str = "evaluate") -> dict[str, str]:
+    """``run_id`` checked to exist, or a new run of ``experiment`` tagged ``megabase.kind``.
+
+    Returns ``{"tracking_uri", "run_id", "experiment_id", "created"}``; an unknown run id is an
+    InputError naming the store.
+    """
+    uri = resolve_tracking_uri(tracking_uri)
+    client = _client(uri)
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except Exception:
+            raise InputError(f"MLflow run {run_id!r} not found in {uri}") from None
+        return {"tracking_uri": uri, "run_id": run_id, "experiment_id": run.info.experiment_id,
+                "created": False}
+    exp = experiment_id(client, uri, experiment)
+    run = client.create_run(exp, run_name=run_name, tags={"megabase.kind": kind})
+    return {"tracking_uri": uri, "run_id": run.info.run_id, "experiment_id": exp, "created": True}
+
+
+def log_report(report: dict, files: dict[str, Path], target: dict) -> None:
+    """Log ``report`` and its written ``files`` to the run ``target`` (from :func:`open_run`).
+
+    A run created by :func:`open_run` is ended here; a given run (a training run) keeps its status.
+    """
+    from mlflow.entities import Metric, Param
+
+    client = _client(target["tracking_uri"])
+    run_id = target["run_id"]
+    have = client.get_run(run_id).data.params
+    now = _now_ms()
+    metrics = [Metric(k, v, now, 0) for k, v in report_metrics(report).items()]
+    metrics += [Metric("eval/bits_per_base_by_context", b["bits_per_base"], now,
+                       int(b["context_hi"])) for b in report["bins"] if b["n_tokens"]]
+    params = [Param(f"eval.{k}", str(report[k])[:500]) for k in
+              ("name", "checkpoint", "data", "split", "train", "eval", "n_windows",
+               "window_length", "edges")
+              if k in report and f"eval.{k}" not in have]
+    for start in range(0, len(metrics), 1000):  # the store's batch limit
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
+    if params:
+        client.log_batch(run_id, params=params)
+    client.log_table(run_id, report_table(report), TABLE)
+    for path in files.values():
+        client.log_artifact(run_id, str(path), "eval")
+    if target.get("created"):
+        client.set_terminated(run_id)
+
+
+def abandon_run(target: dict) -> None:
+    """Delete a run :func:`open_run` created (nothing half-logged is left); keep a given one."""
+    if target.get("created"):
+        try:
+            _client(target["tracking_uri"]).delete_run(target["run_id"])
+        except Exception:  # the original error is the one to report
+            pass
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def load_report(ref: str, tracking_uri: str | None = None) -> dict:
+    """A report from a ``report.json`` file, a directory holding one, or an MLflow run id."""
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "report.json"
+    if path.is_file():
+        try:
+            report = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(f"not a report: {exc}", path) from None
+        if "bins" not in report or "overall" not in report:
+            raise InputError("not a megabase report (no 'bins'/'overall')", path)
+        report.setdefault("source", str(path))
+        return report
+    if "/" in ref or ref.endswith(".json") or Path(ref).suffix:
+        raise InputError("no such report file or directory", ref)
+    uri = resolve_tracking_uri(tracking_uri)
+    client = _client(uri)
+    try:
+        run = client.get_run(ref)
+    except Exception:
+        raise InputError(f"{ref!r} is neither a report file nor a run in {uri}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(ref, REPORT, tmp)
+        except Exception:
+            raise InputError(f"MLflow run {ref} has no {REPORT}; evaluate it with --mlflow-run "
+                             f"{ref}") from None
+        report = json.loads(Path(local).read_text())
+    report["name"] = run.info.run_name or report.get("name", ref)
+    report["source"] = f"run {ref}"
+    return report

@@ -1,0 +1,117 @@
+"""MLflow logging of reports, and `megabase compare` over report files and runs."""
+
+import pytest
+
+from megabase.data.errors import InputError
+from megabase.eval.tracking import report_metrics, resolve_tracking_uri
+from megabase.pipeline.cli import main
+
+
+def test_report_lands_in_its_run(tracked):
+    from mlflow.tracking import MlflowClient
+
+    report = tracked["reports"]["model"]
+    run_id = report["mlflow"]["run_id"]
+    client = MlflowClient(tracked["uri"])
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["megabase.kind"] == "evaluate"
+    first = report["bins"][0]
+    key = f"eval/bits_per_base/ctx_{first['context_lo']}-{first['context_hi']}"
+    assert run.data.metrics[key] == pytest.approx(first["bits_per_base"])
+    assert run.data.metrics["eval/bits_per_base"] == pytest.approx(
+        report["overall"]["bits_per_base"])
+    assert "eval/control_500/bits_per_base" in run.data.metrics
+    curve = client.get_metric_history(run_id, "eval/bits_per_base_by_context")
+    assert sorted(m.step for m in curve) == [b["context_hi"] for b in report["bins"]]
+    artifacts = {a.path for a in client.list_artifacts(run_id, "eval")}
+    assert {"eval/report.json", "eval/report.csv", "eval/report.png", "eval/bins.json"} <= artifacts
+
+
+def test_logged_table_reads_back_with_load_table(tracked):
+    import mlflow
+
+    run = tracked["reports"]["model"]["mlflow"]
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracked["uri"])  # load_table searches the global store
+    try:
+        table = mlflow.MlflowClient().load_table(run["experiment_id"], "eval/bins.json",
+                                                 run_ids=[run["run_id"]])
+    finally:
+        mlflow.set_tracking_uri(before)
+    model = table[table["role"] == "model"]
+    assert list(model["bits_per_base"]) == pytest.approx(
+        [b["bits_per_base"] for b in tracked["reports"]["model"]["bins"]])
+    assert set(table["role"]) == {"model", "control"}
+
+
+def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp_path):
+    """A checkpoint whose config names its run (what training writes) needs no flag."""
+    from mlflow.tracking import MlflowClient
+
+    from megabase.model import load_checkpoint, save_checkpoint
+
+    client = MlflowClient(tracked["uri"])
+    exp = client.get_experiment_by_name("tiny").experiment_id
+    run = client.create_run(exp, run_name="training run")
+    ckpt = save_checkpoint(load_checkpoint(tracked["ckpt"]), tmp_path / "ckpt", extra={
+        "window_length": 2048, "mlflow": {"tracking_uri": tracked["uri"], "run_id": run.info.run_id}})
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-2,048", "--controls", "", "--no-probe", "--bootstrap", "5",
+                 "--quiet", "--out", str(tmp_path / "eval")]) == 0
+    after = client.get_run(run.info.run_id)
+    assert after.info.status == "RUNNING"  # the trainer owns its run's status
+    assert "eval/bits_per_base" in after.data.metrics
+
+
+def test_unknown_run_fails_before_scoring(tracked, bundled_store, tmp_path, capsys):
+    code = main(["evaluate", "--checkpoint", str(tracked["ckpt"]), "--data",
+                 str(bundled_store.path), "--tracking-uri", tracked["uri"],
+                 "--mlflow-run", "0123456789abcdef", "--out", str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert code == 2 and "0123456789abcdef" in err and "not found" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "eval").exists()
+
+
+def test_file_stores_are_refused_with_the_fix(tmp_path):
+    for uri in ("file:./mlruns", "mlruns"):
+        with pytest.raises(InputError, match="sqlite:///"):
+            resolve_tracking_uri(uri)
+    assert resolve_tracking_uri(str(tmp_path / "x.db")) == f"sqlite:///{tmp_path / 'x.db'}"
+
+
+def test_metrics_skip_empty_bins():
+    empty = {"n_tokens": 0, "bits_per_base": None, "nats_per_base": None, "perplexity": None,
+             "bits_per_base_ci": [None, None], "context_lo": 0, "context_hi": 10,
+             "unique": {"bits_per_base": None}, "repeat": {"bits_per_base": None}}
+    metrics = report_metrics({"bins": [empty], "overall": empty})
+    assert metrics == {"eval/n_tokens": 0.0, "eval/n_tokens/ctx_0-10": 0.0}
+
+
+def test_compare_runs_and_files_side_by_side(tracked, tmp_path, capsys):
+    model, markov = tracked["reports"]["model"], tracked["reports"]["markov"]
+    csv_path = tmp_path / "table.csv"
+    code = main(["compare", model["mlflow"]["run_id"], str(tracked["root"] / "markov"),
+                 "--tracking-uri", tracked["uri"], "--csv", str(csv_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "gain of markov order 2" in out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("context_lo,context_hi,evaluate ckpt bits/base")
+    overall = rows[-1].split(",")
+    assert overall[:2] == ["all", "all"]
+    gain = float(overall[4])
+    assert gain == pytest.approx(model["overall"]["bits_per_base"]
+                                 - markov["overall"]["bits_per_base"])
+
+
+def test_compare_with_baselines_and_bad_refs(tracked, tmp_path, capsys):
+    csv_path = tmp_path / "table.csv"
+    assert main(["compare", str(tracked["root"] / "model" / "report.json"), "--baselines",
+                 "--csv", str(csv_path)]) == 0
+    header = csv_path.read_text().splitlines()[0]
+    assert "control, context <= ~500 bits/base" in header
+    capsys.readouterr()
+    (tmp_path / "junk.json").write_text("{}")
+    for ref in (str(tmp_path / "junk.json"), str(tmp_path / "missing.json")):
+        assert main(["compare", ref]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and ref in err
