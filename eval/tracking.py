@@ -49,7 +49,19 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     return uri
 
 
+def quiet_libraries() -> None:
+    """Keep MLflow's and Lightning's start-up chatter (database migrations, hardware lines, tips)
+    out of a command's output; their warnings and errors still show."""
+    import logging
+
+    import mlflow  # noqa: F401  (configures its loggers on import; levels are set after)
+
+    for name in ("mlflow", "alembic", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _client(uri: str):
+    quiet_libraries()
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)

@@ -14,6 +14,7 @@ from pathlib import Path
 from megabase.data.errors import InputError
 
 from . import summary
+from .errors import TrainingError
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -99,6 +100,22 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(f"table written to {args.csv}")
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from .config import load_config
+    from .train import train
+
+    cfg = load_config(args.config, args.set or [])
+    summary.print_train(train(cfg, resume=args.resume, progress=not args.quiet))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from .config import load_config
+    from .stages import run
+
+    cfg = load_config(args.config, args.set or [])
+    summary.print_run(run(cfg, progress=not args.quiet))
+
+
 def _csv(text: str | None) -> list[str]:
     """Comma-separated names; commas inside region coordinates are kept."""
     from megabase.data.windows import split_regions
@@ -181,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_baseline)
 
+    p = sub.add_parser("train", help="train a model on a token store's windows (MLflow-tracked)")
+    _config_flags(p)
+    p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("run", help="prepare -> windows -> train -> evaluate in one command "
+                       "(no arguments: the CPU demo on the bundled genome)")
+    _config_flags(p)
+    p.set_defaults(func=cmd_run)
+
     p = sub.add_parser("compare", help="bits/base per context bin of several reports side by side")
     p.add_argument("refs", nargs="+", metavar="RUN_ID_OR_REPORT",
                    help="report.json, a report directory, or an MLflow run id")
@@ -191,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", help="also write the table as CSV")
     p.set_defaults(func=cmd_compare)
     return parser
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run config (see configs/); default: the CPU demo")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config key, e.g. train.steps=10 or model.preset=debug")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _tracking_flags(p: argparse.ArgumentParser) -> None:
@@ -216,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"megabase {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"megabase {args.command}: error: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print(f"megabase {args.command}: interrupted; nothing half-written was kept", file=sys.stderr)
         return 130

@@ -123,3 +123,55 @@ def _num(x: float, signed: bool = False) -> str:
     if x != x:
         return "-"
     return f"{x:+.4f}" if signed else f"{x:.4f}"
+
+
+def _mlflow_hint(uri: str, run_id: str) -> str:
+    return (f"MLflow run {run_id} in {uri}\n  browse: mlflow ui --backend-store-uri {uri}  "
+            "(then open http://127.0.0.1:5000)")
+
+
+def print_train(result) -> None:
+    """Steps, final loss, speed, and where the checkpoint and the MLflow run are."""
+    console = Console()
+    rows = result.history
+    table = Table(title=f"training: {result.run_dir.name}", title_justify="left")
+    for col in ("", "value"):
+        table.add_column(col)
+    table.add_row("steps", f"{result.steps}" + (f" (resumed at {result.resumed_from})"
+                                                 if result.resumed_from else ""))
+    if rows:
+        first, last = rows[0], rows[-1]
+        table.add_row("loss (bits/base)", f"{first['bits_per_base']:.4f} at step {first['step']} "
+                      f"-> {last['bits_per_base']:.4f} at step {last['step']}")
+        speed = sum(r["tokens_per_s"] for r in rows) / len(rows)
+        table.add_row("tokens/s (mean)", f"{speed:,.0f}")
+        table.add_row("peak memory", f"{max(r['peak_mem_gib'] for r in rows):.2f} GiB")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    console.print(table)
+    console.print(f"checkpoint: {result.checkpoint}")
+    console.print(_mlflow_hint(result.tracking_uri, result.run_id))
+
+
+def print_run(result) -> None:
+    """What each stage did, the held-out result, and where everything is."""
+    console = Console()
+    table = Table(title="megabase run", title_justify="left")
+    table.add_column("stage")
+    table.add_column("")
+    for stage, what in result.stages.items():
+        table.add_row(stage, what)
+    console.print(table)
+    if result.history:
+        first, last = result.history[0], result.history[-1]
+        console.print(f"training loss {first['bits_per_base']:.4f} -> "
+                      f"{last['bits_per_base']:.4f} bits/base over {last['step']} steps")
+    if result.overall:
+        o = result.overall
+        console.print(f"held-out: {o['bits_per_base']:.4f} bits/base over {o['n_tokens']:,} bases "
+                      "(order-0 DNA is ~1.95-2.0)")
+    console.print(f"store: {result.store}\nwindows: {result.windows}\n"
+                  f"checkpoint: {result.checkpoint}")
+    if result.report:
+        console.print(f"report: {result.report} (+ report.csv, report.png)")
+    console.print(_mlflow_hint(result.tracking_uri, result.run_id))
+    console.print(f"total {result.seconds:.1f} s")

@@ -1,0 +1,263 @@
+"""Run configuration: small dataclasses read from YAML, with ``--set section.key=value`` overrides.
+
+Every key is checked: an unknown key, a value of the wrong type, or a value outside its choices is
+one :class:`InputError` naming the file, the key and what is valid. The resolved config (defaults
+filled in, overrides applied) is what a run saves and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megabase.data.errors import InputError
+
+PRECISIONS = ("fp32", "bf16")
+RECOMPUTE = ("none", "layer", "selective")
+
+
+@dataclass
+class DataConfig:
+    """Genome, store and windows. Paths are relative to the run's ``workdir`` unless absolute."""
+
+    fasta: str | None = None  # None: the bundled genome (chr01, chr02, chr22 of U. maydis)
+    chroms: list[str] = field(default_factory=list)  # records kept by prepare; empty: all
+    store: str = "store"
+    train: list[str] = field(default_factory=lambda: ["chr01", "chr02"])
+    eval: list[str] = field(default_factory=lambda: ["chr22"])
+    window_length: int = 16384
+    stride: int | None = None
+    max_n_frac: float = 0.5
+    rc_prob: float = 0.5
+
+
+@dataclass
+class ModelSection:
+    """A preset of :mod:`megabase.model.presets` and field overrides of its ``ModelConfig``."""
+
+    preset: str = "cpu-small"
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule and memory knobs. ``steps`` count optimizer steps."""
+
+    steps: int = 40
+    batch_size: int = 1
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    seq_warmup: bool = True  # short windows first, doubling up to data.window_length
+    seq_warmup_start: int = 4096
+    seq_warmup_steps: int = 8  # optimizer steps per length
+    recompute: str = "none"
+    offload: bool = False
+    checkpoint_every: int = 10
+    num_workers: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """The evaluate stage of ``megabase run`` (see ``megabase evaluate``)."""
+
+    enabled: bool = True
+    regions: list[str] = field(default_factory=list)  # empty: data.eval
+    controls: list[int] = field(default_factory=lambda: [1000])
+    probe: bool = True
+    baselines: list[int] = field(default_factory=lambda: [0, 4])  # Markov orders, fitted on data.train
+    bootstrap: int = 200
+    segment: int = 65536
+
+
+@dataclass
+class TrackingConfig:
+    tracking_uri: str | None = None  # None: sqlite:///<workdir>/mlflow.db
+    experiment: str = "megabase"
+    run_name: str | None = None  # None: the config's name
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    workdir: str = "work"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.workdir).resolve()
+
+    def path(self, rel: str) -> Path:
+        """``rel`` under the workdir (absolute paths stay as they are)."""
+        p = Path(rel)
+        return p if p.is_absolute() else self.root / p
+
+    def tracking_uri(self) -> str:
+        return self.tracking.tracking_uri or f"sqlite:///{self.root / 'mlflow.db'}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {("train", "precision"): PRECISIONS, ("train", "recompute"): RECOMPUTE}
+POSITIVE = {("data", "window_length"), ("train", "steps"), ("train", "batch_size"),
+            ("train", "grad_accum"), ("train", "checkpoint_every"), ("train", "seq_warmup_start"),
+            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment")}
+
+
+def _convert(value, hint, where: str, source: str):
+    """``value`` as type ``hint`` (YAML scalars and ``--set`` strings alike), or an InputError."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        return _convert(value, args[0], where, source)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):  # "chr01,chr02:1-200,000": commas inside coordinates stay
+            from megabase.data.windows import split_regions
+
+            value = split_regions(value)
+        if not isinstance(value, list):
+            raise InputError(f"{where} must be a list, got {value!r}", source)
+        return [_convert(v, item, f"{where}[{i}]", source) for i, v in enumerate(value)]
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise InputError(f"{where} must be a mapping, got {value!r}", source)
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise InputError(f"{where} must be true or false, got {value!r}", source)
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise InputError(f"{where} must be a number, got {value!r}", source)
+        try:
+            number = float(str(value).replace("_", "").replace(",", "")) if hint is float else \
+                int(str(value).replace("_", "").replace(",", ""))
+        except ValueError:
+            raise InputError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
+                             f"got {value!r}", source) from None
+        return number
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise InputError(f"{where} must be a string, got {value!r}", source)
+        return str(value)
+    raise TypeError(hint)
+
+
+def _build(cls, data: dict, prefix: str, source: str):
+    if not isinstance(data, dict):
+        raise InputError(f"{prefix or 'the config'} must be a mapping, got {data!r}", source)
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            raise InputError(f"unknown key {where!r}; valid keys{' in ' + prefix if prefix else ''}:"
+                             f" {', '.join(known)}", source)
+    kwargs = {}
+    for name in known:
+        if name not in data:
+            continue
+        where = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, data[name] or {}, where, source)
+            continue
+        value = _convert(data[name], hint, where, source)
+        choices = CHOICES.get((prefix, name))
+        if choices and value not in choices:
+            raise InputError(f"{where} = {value!r} is not one of {', '.join(choices)}", source)
+        if (prefix, name) in POSITIVE and value < 1:
+            raise InputError(f"{where} must be at least 1, got {value}", source)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _set(tree: dict, assignment: str) -> None:
+    """Apply one ``section.key=value`` (the value stays a string; ``_build`` converts it)."""
+    if "=" not in assignment:
+        raise InputError(f"--set {assignment!r}: expected section.key=value")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise InputError(f"--set {assignment!r}: {part!r} is not a section")
+        node = child
+    if parts[-1] == "overrides" or (len(parts) >= 3 and parts[-2] == "overrides"):
+        import yaml
+
+        value = yaml.safe_load(value)
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file ``path`` (if any), then each ``--set`` in order; validated."""
+    import yaml
+
+    tree: dict = {}
+    source = "--set"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise InputError("config file not found", path)
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise InputError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", path) from None
+    for assignment in sets:
+        _set(tree, assignment)
+    cfg = _build(RunConfig, tree, "", source)
+    from megabase.model import get_preset
+
+    get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what a run saves beside its checkpoints)."""
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def flat_params(cfg: RunConfig) -> dict[str, str]:
+    """``section.key -> value`` strings for MLflow params (the model as the resolved preset)."""
+    from megabase.model import get_preset
+
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = str(node)[:500]
+
+    walk("", cfg.to_dict())
+    for k, v in get_preset(cfg.model.preset, **cfg.model.overrides).to_dict().items():
+        out[f"model.config.{k}"] = str(v)
+    return out

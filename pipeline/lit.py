@@ -1,0 +1,128 @@
+"""The LightningModule around :class:`megabase.model.HybridLM`, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from .config import RunConfig
+from .errors import TrainingDivergedError
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def window_length_at(step: int, cfg: RunConfig) -> int:
+    """Training length at optimizer step ``step``: the sequence-length warm-up, if enabled."""
+    full = cfg.data.window_length
+    t = cfg.train
+    if not t.seq_warmup:
+        return full
+    return min(full, t.seq_warmup_start * 2 ** (step // t.seq_warmup_steps))
+
+
+class LitLM(pl.LightningModule):
+    """One optimizer step = ``grad_accum`` batches of ``[B, L]`` windows.
+
+    Logs per step: ``loss`` (LM loss, nats), ``bits_per_base``, ``aux_loss``, ``lr``,
+    ``tokens_per_s``, ``peak_mem_gib``, ``moe_load_max_over_mean`` and ``moe_bias_norm``. The MoE
+    balancing bias moves after every optimizer step from the loads of that step's batches.
+    Raises :class:`TrainingDivergedError` on a non-finite loss before any update is applied.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, log_path=None):
+        super().__init__()
+        self.model, self.cfg, self.log_path = model, cfg, log_path
+        self._load = None
+        self._tokens = 0
+        self._tick = time.perf_counter()
+        self.history: list[dict] = []  # per optimizer step, for the final summary and tests
+
+    def training_step(self, batch, batch_idx):
+        length = window_length_at(self.global_step, self.cfg)
+        ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
+        mask = batch["loss_mask"][:, :length]
+        out = self.model(ids, targets, loss_mask=mask)
+        if not torch.isfinite(out.loss.detach()):
+            raise TrainingDivergedError(self.global_step + 1, float(out.loss))
+        load = out.expert_load.detach()
+        self._load = load if self._load is None else self._load + load
+        self._tokens += out.n_tokens
+        self._lm = out.lm_loss.detach() if batch_idx % self.cfg.train.grad_accum == 0 \
+            else self._lm + out.lm_loss.detach()
+        self._aux = out.aux_loss.detach()
+        return out.loss / self.cfg.train.grad_accum
+
+    def on_before_optimizer_step(self, optimizer):
+        if self._load is not None and self._load.numel():
+            self.model.update_moe_bias(self._load)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.cfg.train.grad_accum:
+            return
+        now = time.perf_counter()
+        lm = float(self._lm) / self.cfg.train.grad_accum
+        row = {"step": self.global_step, "loss": lm, "bits_per_base": lm / math.log(2),
+               "aux_loss": float(self._aux), "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
+               "tokens_per_s": self._tokens / max(now - self._tick, 1e-9),
+               "peak_mem_gib": peak_memory_gib(self.device),
+               "window_length": window_length_at(self.global_step - 1, self.cfg)}
+        if self._load is not None and self._load.numel():
+            load = self._load.float()
+            row["moe_load_max_over_mean"] = float((load.max(-1).values / load.mean(-1).clamp_min(1e-9)).max())
+            row["moe_bias_norm"] = float(torch.stack([m.bias.norm() for m in self.model.moe_layers()]).norm())
+        self.history.append(row)
+        if self.log_path is not None:  # one line per step, on disk before the next step starts
+            with open(self.log_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        shown = ("bits_per_base", "tokens_per_s")
+        self.log_dict({k: row[k] for k in shown}, on_step=True, prog_bar=True)
+        self.log_dict({k: v for k, v in row.items() if k not in ("step", *shown)}, on_step=True)
+        self._load, self._tokens, self._tick = None, 0, now
+
+    def configure_optimizers(self):
+        t = self.cfg.train
+        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                 {"params": rest, "weight_decay": 0.0}],
+                                lr=t.lr, betas=(t.beta1, t.beta2))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["megabase_rng"] = {
+            "torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].tolist(),
+            "python": list(random.getstate()[1])}
+
+    def on_load_checkpoint(self, checkpoint):
+        rng = checkpoint.get("megabase_rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            state = np.random.get_state()
+            np.random.set_state((state[0], np.array(rng["numpy"], dtype=np.uint32), *state[2:]))
+            py = random.getstate()
+            random.setstate((py[0], tuple(rng["python"]), py[2]))
+
+
+def peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,117 @@
+"""``megabase run``: prepare -> windows -> train -> evaluate, each stage skipped when its output
+is already there and valid (the store's checksums, the windows' parameters, the checkpoint's step,
+the report's checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import RunConfig
+
+
+@dataclass
+class RunResult:
+    store: Path
+    windows: Path
+    checkpoint: Path
+    report: Path | None
+    tracking_uri: str
+    run_id: str
+    seconds: float
+    stages: dict[str, str] = field(default_factory=dict)  # stage -> "done" / "skipped" / ...
+    history: list[dict] = field(default_factory=list)
+    overall: dict | None = None
+
+
+def ensure_store(cfg: RunConfig, progress: bool = True):
+    """The token store of ``cfg``: prepared unless an up-to-date one is there. Returns
+    ``(TokenStore, PrepareResult)``."""
+    from megabase.data import TokenStore, default_genome, prepare
+
+    fasta = Path(cfg.data.fasta) if cfg.data.fasta else Path(str(default_genome()))
+    result = prepare(fasta, cfg.path(cfg.data.store), chroms=cfg.data.chroms or None,
+                     progress=progress)
+    return TokenStore(cfg.path(cfg.data.store)), result
+
+
+def _windows_comment(cfg: RunConfig, store) -> str:
+    d = cfg.data
+    return (f"megabase windows store={store.path.resolve()} length={d.window_length} "
+            f"stride={d.stride or d.window_length} max_n_frac={d.max_n_frac} "
+            f"splits=train={','.join(d.train)};eval={','.join(d.eval)}")
+
+
+def ensure_windows(cfg: RunConfig, store) -> Path:
+    """``WORKDIR/windows-L.bed`` for the config's splits, rewritten only if its parameters changed."""
+    from megabase.data import make_windows, write_bed
+    from megabase.data.errors import InputError
+
+    from .train import windows_path
+
+    path = windows_path(cfg)
+    comment = _windows_comment(cfg, store)
+    if path.is_file() and path.read_text().partition("\n")[0] == f"# {comment}":
+        return path
+    d = cfg.data
+    windows, _ = make_windows(store, {"train": list(d.train), "eval": list(d.eval)},
+                              d.window_length, stride=d.stride, max_n_frac=d.max_n_frac)
+    if not any(w.split == "train" for w in windows):
+        raise InputError(f"no training windows of {d.window_length:,} bases in "
+                         f"{','.join(d.train)}", store.path)
+    return write_bed(path, windows, comment)
+
+
+def run(cfg: RunConfig, progress: bool = True) -> RunResult:
+    """The whole job (see module docs); returns where everything is."""
+    from megabase.eval.evaluate import evaluate
+
+    from .checkpointing import latest_checkpoint, saved_step
+    from .train import run_dir, train
+
+    started = time.perf_counter()
+    stages = {}
+    store, prepared = ensure_store(cfg, progress)
+    stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"
+    before = (cfg.path(f"windows-{cfg.data.window_length}.bed")).stat().st_mtime_ns \
+        if cfg.path(f"windows-{cfg.data.window_length}.bed").is_file() else None
+    bed = ensure_windows(cfg, store)
+    stages["windows"] = "skipped (up to date)" if before == bed.stat().st_mtime_ns else "done"
+
+    out = run_dir(cfg)
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and saved_step(ckpt) >= cfg.train.steps:
+        stages["train"] = f"skipped (checkpoint at step {saved_step(ckpt)})"
+        history = []
+        meta = json.loads((ckpt / "config.json").read_text()).get("mlflow", {})
+        uri, run_id = meta.get("tracking_uri", cfg.tracking_uri()), meta.get("run_id", "")
+    else:
+        result = train(cfg, resume=ckpt is not None, progress=progress)
+        stages["train"] = f"resumed from step {result.resumed_from}" if result.resumed_from \
+            else "done"
+        ckpt, history, uri, run_id = result.checkpoint, result.history, result.tracking_uri, \
+            result.run_id
+
+    report_path, overall = None, None
+    if cfg.eval.enabled:
+        report_dir = out / "eval"
+        existing = report_dir / "report.json"
+        if existing.is_file() and json.loads(existing.read_text()).get("checkpoint") == \
+                str(Path(ckpt).resolve()) and stages["train"].startswith("skipped"):
+            stages["evaluate"] = "skipped (report of this checkpoint exists)"
+            report = json.loads(existing.read_text())
+        else:
+            e = cfg.eval
+            report = evaluate(ckpt, store.path, out=report_dir,
+                              regions=tuple(e.regions or cfg.data.eval),
+                              length=cfg.data.window_length, controls=tuple(e.controls),
+                              probe=e.probe, baselines=tuple(e.baselines),
+                              train=tuple(cfg.data.train), segment=e.segment,
+                              n_boot=e.bootstrap, seed=cfg.train.seed, progress=progress,
+                              mlflow_run=run_id, tracking_uri=uri)
+            stages["evaluate"] = "done"
+        report_path, overall = existing, report["overall"]
+    return RunResult(store.path, bed, Path(ckpt), report_path, uri, run_id,
+                     time.perf_counter() - started, stages, history, overall)

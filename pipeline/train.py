@@ -1,0 +1,181 @@
+"""``megabase train``: windows of a token store -> a trained checkpoint, tracked in MLflow.
+
+Lightning drives the loop (:class:`megabase.pipeline.lit.LitLM`); the memory knobs are applied to
+the model here (recompute, then offload), as torchtitan applies them from outside the model.
+Layout of a run, under ``WORKDIR/runs/NAME``: ``config.yaml`` (resolved), ``train_log.jsonl``
+(one line per optimizer step), ``checkpoints/step-NNNNNN`` and ``checkpoints/latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from megabase.data.atomic import write_atomic
+from megabase.data.errors import InputError
+
+from .config import RunConfig, dump_config, flat_params
+
+
+class TrainingStream(torch.utils.data.Sampler[int]):
+    """Sample indices of :class:`ResumableSampler` order, epoch after epoch, from draw ``start``
+    (the samples a resumed run has already consumed) on, without end: the trainer stops at its
+    step limit. Having no length also keeps Lightning from closing an "epoch" early after a
+    resume (it would restart the stream and repeat data).
+
+    Yields ``epoch * n + index``, as :class:`megabase.data.WindowDataset` expects.
+    """
+
+    def __init__(self, n: int, seed: int, start: int):
+        from megabase.data import ResumableSampler
+
+        self.order = ResumableSampler(n, seed).order
+        self.n, self.start = n, start
+
+    def __iter__(self):
+        epoch, order = -1, None
+        k = self.start
+        while True:
+            if k // self.n != epoch:
+                epoch = k // self.n
+                order = self.order(epoch)
+            yield epoch * self.n + int(order[k % self.n])
+            k += 1
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path
+    steps: int
+    history: list[dict]
+    tracking_uri: str
+    run_id: str
+    seconds: float
+    resumed_from: int
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    return cfg.path("runs") / cfg.name
+
+
+def windows_path(cfg: RunConfig) -> Path:
+    return cfg.path(f"windows-{cfg.data.window_length}.bed")
+
+
+def open_store(cfg: RunConfig):
+    from megabase.data import TokenStore
+
+    path = cfg.path(cfg.data.store)
+    if not path.exists():
+        raise InputError("no token store here; run `megabase prepare` (or `megabase run`) first",
+                         path)
+    return TokenStore(path)
+
+
+def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` to ``cfg.train.steps`` optimizer steps; with ``resume``, continue the run from
+    its latest checkpoint (same per-step losses as an uninterrupted run on CPU in fp32)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from megabase.data import WindowDataset
+    from megabase.eval.tracking import experiment_id, quiet_libraries, resolve_tracking_uri
+    from megabase.model import build_model
+
+    from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, saved_step
+    from .lit import LitLM
+    from .memory import apply_offload, apply_recompute
+    from .stages import ensure_windows
+
+    started = time.perf_counter()
+    store = open_store(cfg)
+    bed = ensure_windows(cfg, store)
+    out = run_dir(cfg)
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and not resume:
+        raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
+                         "or set name to start another", out)
+    start_step = saved_step(ckpt) if ckpt is not None else 0
+    run_id = json.loads((ckpt / "config.json").read_text()).get("mlflow", {}).get("run_id") \
+        if ckpt is not None else None
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.yaml", dump_config(cfg).encode())
+
+    uri = resolve_tracking_uri(cfg.tracking_uri())
+    quiet_libraries()
+    from mlflow.tracking import MlflowClient
+
+    experiment_id(MlflowClient(uri), uri, cfg.tracking.experiment)  # artifacts beside the db
+    logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
+                          run_name=cfg.tracking.run_name or cfg.name, tracking_uri=uri,
+                          run_id=run_id, tags={"megabase.kind": "train"})
+    if run_id is None:
+        logger.log_hyperparams(flat_params(cfg))
+    run_id = logger.run_id
+
+    t = cfg.train
+    pl.seed_everything(t.seed, workers=True, verbose=False)
+    model = build_model(cfg.model.preset, **cfg.model.overrides)
+    apply_recompute(model, t.recompute)
+    if t.offload:
+        apply_offload(model)
+    lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")
+    dataset = WindowDataset(store, bed, split="train", rc_prob=cfg.data.rc_prob, seed=t.seed)
+    per_step = t.batch_size * t.grad_accum
+    stream = TrainingStream(len(dataset), t.seed, start_step * per_step)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size, sampler=stream,
+                                         num_workers=t.num_workers, drop_last=True)
+    extra = {"window_length": cfg.data.window_length, "run": cfg.name,
+             "mlflow": {"tracking_uri": uri, "run_id": run_id},
+             "data": {"store": str(store.path), "windows": str(bed)}}
+    saver = PeriodicCheckpoint(out, t.checkpoint_every)
+    trainer = pl.Trainer(
+        accelerator="auto", devices=1, max_steps=t.steps, max_epochs=-1,
+        precision="bf16-mixed" if t.precision == "bf16" else "32-true",
+        accumulate_grad_batches=t.grad_accum, gradient_clip_val=t.grad_clip or None,
+        logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=progress, num_sanity_val_steps=0,
+        callbacks=[saver, *([TQDMProgressBar()] if progress else [])],
+        plugins=[DirectoryCheckpointIO(model, lambda: extra)],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before.*")
+        warnings.filterwarnings("ignore", ".*Checkpoint directory .* exists and is not empty.*")
+        warnings.filterwarnings("ignore", ".*treespec, LeafSpec.*")
+        if start_step < t.steps:
+            trainer.fit(lit, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
+    final = latest_checkpoint(out)
+    client = MlflowClient(uri)
+    client.set_tag(run_id, "megabase.checkpoint", str(final))
+    for path in (out / "config.yaml", store.path / "manifest.json"):
+        if path.is_file():
+            client.log_artifact(run_id, str(path))
+    return TrainResult(out, final, trainer.global_step or start_step, lit.history, uri, run_id,
+                       time.perf_counter() - started, start_step)
+
+
+def read_train_log(run: Path) -> dict[int, dict]:
+    """``step -> row`` of a run's log; a step logged twice (before a kill, and after the resume
+    that redid it) keeps its last row."""
+    rows = {}
+    path = Path(run) / "train_log.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["step"]] = row
+    return rows
+
+
+def loss_curve(run: Path) -> np.ndarray:
+    rows = read_train_log(run)
+    return np.array([rows[s]["loss"] for s in sorted(rows)])

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+
+from megabase.data.errors import InputError
+from megabase.pipeline.config import dump_config, flat_params, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "human-512k.yaml", "human-1m-glm5.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.data.train and cfg.data.eval and cfg.train.steps > 0
+
+
+def test_the_demo_file_is_the_default():
+    assert load_config(CONFIGS / "demo.yaml") == load_config(None)
+
+
+def test_sets_are_converted_and_validated():
+    cfg = load_config(None, ["train.lr=1e-3", "train.seq_warmup=false", "data.train=chr1,chr2",
+                             "data.stride=null", "model.preset=debug", "model.overrides.topk=16",
+                             "name=x"])
+    assert cfg.train.lr == 1e-3 and cfg.train.seq_warmup is False
+    assert cfg.data.train == ["chr1", "chr2"] and cfg.data.stride is None
+    assert cfg.model.overrides == {"topk": 16} and cfg.name == "x"
+    text = dump_config(cfg)
+    assert "lr: 0.001" in text and flat_params(cfg)["model.config.topk"] == "16"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.lrr=1"], "unknown key 'train.lrr'; valid keys in train: steps"),
+    (["trian.lr=1"], "unknown key 'trian'"),
+    (["train.precision=fp8"], "train.precision = 'fp8' is not one of fp32, bf16"),
+    (["train.recompute=all"], "is not one of none, layer, selective"),
+    (["train.steps=0"], "train.steps must be at least 1"),
+    (["train.steps=ten"], "train.steps must be an integer"),
+    (["train.offload=maybe"], "train.offload must be true or false"),
+    (["model.preset=huge"], "unknown model preset 'huge'"),
+    (["model.overrides.d_modle=8"], "unknown model config key 'd_modle'"),
+    (["train.lr"], "expected section.key=value"),
+])
+def test_bad_keys_and_values_are_one_clear_error(sets, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, sets)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(InputError, match="config file not found"):
+        load_config(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(InputError, match=f"{bad}: not valid YAML at line"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("train:\n  steps: 5\n  warmup: 2\n")
+    with pytest.raises(InputError, match=f"{wrong}: unknown key 'train.warmup'"):
+        load_config(wrong)

@@ -1,0 +1,153 @@
+"""Training: resume after SIGKILL, faults, MLflow tracking, and `megabase run` end to end."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megabase.pipeline.cli import main
+from megabase.pipeline.train import loss_curve, read_train_log
+
+
+def tiny(workdir, store, steps=8, name="tiny", **more):
+    sets = {"name": name, "workdir": str(workdir), "data.store": str(store.path),
+            "data.window_length": "2048", "model.preset": "debug", "train.steps": str(steps),
+            "train.seq_warmup": "false", "train.checkpoint_every": "2", "train.warmup_steps": "2",
+            "eval.enabled": "false", **more}
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+def test_resume_after_sigkill_gives_the_same_losses(bundled_store, tmp_path):
+    steps = 40
+    assert main(["train", *tiny(tmp_path / "a", bundled_store, steps), "--quiet"]) == 0
+    whole = loss_curve(tmp_path / "a" / "runs" / "tiny")
+    assert len(whole) == steps
+
+    cmd = [sys.executable, "-m", "megabase.pipeline.cli", "train",
+           *tiny(tmp_path / "b", bundled_store, steps), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = tmp_path / "b" / "runs" / "tiny"
+    latest = run / "checkpoints" / "latest"
+    while proc.poll() is None and not (latest.is_file() and latest.read_text().strip() >= "step-000004"):
+        time.sleep(0.02)
+    killed_at = len(read_train_log(run))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    assert killed_at < steps  # really interrupted mid-run
+
+    assert main(["train", *tiny(tmp_path / "b", bundled_store, steps), "--resume", "--quiet"]) == 0
+    resumed = loss_curve(run)
+    np.testing.assert_allclose(resumed, whole, rtol=1e-6, atol=0)
+
+
+def test_fresh_train_refuses_to_overwrite_a_run(bundled_store, tmp_path, capsys):
+    assert main(["train", *tiny(tmp_path, bundled_store, 2), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", *tiny(tmp_path, bundled_store, 2), "--quiet"]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(bundled_store, tmp_path,
+                                                                    monkeypatch, capsys):
+    import torch
+
+    from megabase.model.lm import HybridLM
+
+    real, calls = HybridLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 5:
+            out.loss = out.loss * torch.tensor(float("nan"))
+        return out
+
+    monkeypatch.setattr(HybridLM, "forward", poisoned)
+    assert main(["train", *tiny(tmp_path, bundled_store, 8), "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert "at step 5" in err and len(err.strip().splitlines()) == 1
+    ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-000004"
+    assert sorted(read_train_log(tmp_path / "runs" / "tiny")) == [1, 2, 3, 4]
+
+
+def test_failed_checkpoint_write_keeps_the_previous(bundled_store, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+
+    from megabase.model import load_checkpoint
+
+    real, calls = safetensors.torch.save_file, []
+
+    def disk_full(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            with open(filename, "wb") as fh:  # half a file, then the disk is full
+                fh.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    assert main(["train", *tiny(tmp_path, bundled_store, 8), "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "step-000002" in err
+    ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000002"]  # no debris
+    load_checkpoint(ckpts / "step-000002")
+
+
+def test_missing_store_is_one_clear_error(tmp_path, capsys):
+    code = main(["train", "--set", f"workdir={tmp_path}", "--set", "data.store=nowhere", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nowhere" in err and "megabase prepare" in err
+
+
+def test_run_end_to_end_then_every_stage_skips(bundled_store, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    args = [*tiny(tmp_path, bundled_store, 4), "--set", "eval.enabled=true",
+            "--set", "eval.regions=chr22:1-4,096", "--set", "eval.bootstrap=10",
+            "--set", "eval.probe=false", "--set", "eval.baselines=0", "--quiet"]
+    assert main(["run", *args]) == 0
+    out = capsys.readouterr().out
+    assert "held-out:" in out and "mlflow ui --backend-store-uri" in out
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("megabase").experiment_id])
+    for key in ("loss", "bits_per_base", "lr", "tokens_per_s", "peak_mem_gib",
+                "moe_load_max_over_mean", "moe_bias_norm", "eval/bits_per_base"):
+        assert key in run.data.metrics, key
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
+    assert run.data.params["train.steps"] == "4"
+    assert {"config.yaml", "manifest.json", "eval"} <= {a.path for a in
+                                                        client.list_artifacts(run.info.run_id)}
+    assert run.data.tags["megabase.checkpoint"].endswith("step-000004")
+
+    assert main(["run", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 4
+
+
+def test_sequence_length_warmup_doubles():
+    from megabase.pipeline.config import load_config
+    from megabase.pipeline.lit import window_length_at
+
+    cfg = load_config(None, ["train.seq_warmup_start=4096", "train.seq_warmup_steps=8",
+                             "data.window_length=16384"])
+    assert [window_length_at(s, cfg) for s in (0, 7, 8, 16, 100)] == [4096, 4096, 8192, 16384,
+                                                                       16384]
+
+
+@pytest.mark.parametrize("knob", ["train.recompute=layer", "train.offload=true"])
+def test_memory_knobs_train_the_same(bundled_store, tmp_path, knob):
+    assert main(["train", *tiny(tmp_path / "a", bundled_store, 3), "--quiet"]) == 0
+    assert main(["train", *tiny(tmp_path / "b", bundled_store, 3), "--set", knob, "--quiet"]) == 0
+    np.testing.assert_allclose(loss_curve(tmp_path / "b" / "runs" / "tiny"),
+                               loss_curve(tmp_path / "a" / "runs" / "tiny"), rtol=1e-5)
