@@ -60,7 +60,7 @@ class MoE(nn.Module):
                 a, b = tiled_matmul(xg.index_select(0, rows), self.w13[e].t(), EXPERT_TILE).chunk(
                     2, dim=-1)
                 y = tiled_matmul(F.silu(a) * b, self.w2[e].t(), EXPERT_TILE)
-                yg = yg.index_add(0, rows, y * gg[rows, slot, None].to(x.dtype))
+                yg = yg.index_add(0, rows, (y * gg[rows, slot, None].to(y.dtype)).to(yg.dtype))
             parts.append(yg)
         load = torch.bincount(sel.flatten(), minlength=E).float()
         share = (scores / scores.sum(-1, keepdim=True)).sum(0)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megabase.kernels.precision import full_precision
+
 BLOCK_Q = 256
 BLOCK_K = 8192
 
@@ -46,6 +48,7 @@ def index_scores(q_idx, k_idx, w_idx, scale):
 
 
 @torch.no_grad()
+@full_precision
 def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
                 block_q: int = BLOCK_Q, block_k: int = BLOCK_K, offset: int = 0):
     """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
@@ -214,6 +217,7 @@ class _SparseAttention(torch.autograd.Function):
         return o, probs
 
     @staticmethod
+    @full_precision
     def backward(ctx, do, _dprobs):
         q, k, v, idx, o, lse = ctx.saved_tensors
         scale, block_q = ctx.scale, ctx.block_q
@@ -241,6 +245,7 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
 
 
+@full_precision
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
                      return_probs: bool = False):
     """Attention of each query over its selected keys only: ``o [B, Tq, HQ, DV]`` (dtype of q).
@@ -277,6 +282,7 @@ def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048,
     return (o, indices) if return_indices else o
 
 
+@full_precision
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 1024):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
@@ -310,6 +316,7 @@ def _kl_block(q_idx, k_idx, w_idx, indices, target, scale):
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum()
 
 
+@full_precision
 def indexer_kl_dense(q, k, q_idx, k_idx, w_idx=None, scale=None, index_scale=None,
                      block_q: int = BLOCK_Q):
     """Dense warm-up loss ``KL(p_t || softmax(I_t))`` over all ``s <= t``, one query block at a time.

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megabase.kernels.precision import full_precision
+
 CHUNK = 64
 SUB = 16
 FRAME = 64  # chunks computed together: a fixed shape, so results never depend on the sequence length
@@ -41,6 +43,7 @@ def _expand(q, k, v, g, beta, scale):
     return [x.transpose(1, 2) for x in (q, k, v.float(), g.float(), beta.float())]
 
 
+@full_precision
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
     """Token-by-token KDA; returns ``(o [B, T, HV, V], final_state [B, HV, K, V] or None)``."""
     dtype = v.dtype
@@ -144,6 +147,7 @@ def _frame(q, k, v, g, beta, state, chunk: int):
     return o.reshape(B, HV, Ts, -1), state
 
 
+@full_precision
 def kda_chunk(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     chunk_size: int = CHUNK, segment: int = SEGMENT,

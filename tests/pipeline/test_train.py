@@ -151,3 +151,10 @@ def test_memory_knobs_train_the_same(bundled_store, tmp_path, knob):
     assert main(["train", *tiny(tmp_path / "b", bundled_store, 3), "--set", knob, "--quiet"]) == 0
     np.testing.assert_allclose(loss_curve(tmp_path / "b" / "runs" / "tiny"),
                                loss_curve(tmp_path / "a" / "runs" / "tiny"), rtol=1e-5)
+
+
+def test_bf16_and_gradient_accumulation_train(bundled_store, tmp_path):
+    assert main(["train", *tiny(tmp_path, bundled_store, 3), "--set", "train.precision=bf16",
+                 "--set", "train.grad_accum=2", "--quiet"]) == 0
+    rows = read_train_log(tmp_path / "runs" / "tiny")
+    assert sorted(rows) == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows.values())
