@@ -24,6 +24,7 @@ class RunResult:
     stages: dict[str, str] = field(default_factory=dict)  # stage -> "done" / "skipped" / ...
     history: list[dict] = field(default_factory=list)
     overall: dict | None = None
+    baselines: dict[str, float] = field(default_factory=dict)  # name -> overall bits/base
 
 
 def ensure_store(cfg: RunConfig, progress: bool = True):
@@ -94,7 +95,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
         ckpt, history, uri, run_id = result.checkpoint, result.history, result.tracking_uri, \
             result.run_id
 
-    report_path, overall = None, None
+    report_path, overall, baselines = None, None, {}
     if cfg.eval.enabled:
         report_dir = out / "eval"
         existing = report_dir / "report.json"
@@ -113,5 +114,6 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
                               mlflow_run=run_id, tracking_uri=uri)
             stages["evaluate"] = "done"
         report_path, overall = existing, report["overall"]
+        baselines = {k: v["overall"]["bits_per_base"] for k, v in report.get("baselines", {}).items()}
     return RunResult(store.path, bed, Path(ckpt), report_path, uri, run_id,
-                     time.perf_counter() - started, stages, history, overall)
+                     time.perf_counter() - started, stages, history, overall, baselines)

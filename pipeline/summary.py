@@ -167,8 +167,9 @@ def print_run(result) -> None:
                       f"{last['bits_per_base']:.4f} bits/base over {last['step']} steps")
     if result.overall:
         o = result.overall
-        console.print(f"held-out: {o['bits_per_base']:.4f} bits/base over {o['n_tokens']:,} bases "
-                      "(order-0 DNA is ~1.95-2.0)")
+        beside = "; ".join(f"{k} {v:.4f}" for k, v in result.baselines.items() if v is not None)
+        console.print(f"held-out: {o['bits_per_base']:.4f} bits/base over {o['n_tokens']:,} bases"
+                      + (f" (beside it: {beside})" if beside else " (order-0 DNA is ~1.95-2.0)"))
     console.print(f"store: {result.store}\nwindows: {result.windows}\n"
                   f"checkpoint: {result.checkpoint}")
     if result.report:
