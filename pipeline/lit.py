@@ -106,6 +106,9 @@ class LitLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint):
+        t = self.cfg.train
+        checkpoint["megabase_data"] = {  # where the sample stream resumes (see TrainingStream)
+            "samples_consumed": self.global_step * t.batch_size * t.grad_accum, "seed": t.seed}
         checkpoint["megabase_rng"] = {
             "torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].tolist(),
             "python": list(random.getstate()[1])}

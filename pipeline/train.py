@@ -104,6 +104,9 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
                          "or set name to start another", out)
     start_step = saved_step(ckpt) if ckpt is not None else 0
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    if ckpt is not None:
+        check_data_position(ckpt, start_step * per_step, cfg.train.seed)
     run_id = json.loads((ckpt / "config.json").read_text()).get("mlflow", {}).get("run_id") \
         if ckpt is not None else None
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +132,6 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         apply_offload(model)
     lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")
     dataset = WindowDataset(store, bed, split="train", rc_prob=cfg.data.rc_prob, seed=t.seed)
-    per_step = t.batch_size * t.grad_accum
     stream = TrainingStream(len(dataset), t.seed, start_step * per_step)
     loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size, sampler=stream,
                                          num_workers=t.num_workers, drop_last=True)
@@ -156,11 +158,29 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     final = latest_checkpoint(out)
     client = MlflowClient(uri)
     client.set_tag(run_id, "megabase.checkpoint", str(final))
+    client.log_dict(run_id, {"checkpoint": str(final), "step": saved_step(final) if final else 0},
+                    "checkpoint.json")
     for path in (out / "config.yaml", store.path / "manifest.json"):
         if path.is_file():
             client.log_artifact(run_id, str(path))
     return TrainResult(out, final, trainer.global_step or start_step, lit.history, uri, run_id,
                        time.perf_counter() - started, start_step)
+
+
+def check_data_position(ckpt: Path, expected: int, seed: int) -> None:
+    """The checkpoint's saved sample position must match what its step implies under this
+    config: a resume with another batch size, accumulation or seed would replay other data."""
+    import torch
+
+    from .checkpointing import TRAINER_STATE
+
+    state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
+    saved = state.get("megabase_data", {})
+    if saved and (saved["samples_consumed"] != expected or saved["seed"] != seed):
+        raise InputError(f"checkpoint consumed {saved['samples_consumed']} samples with seed "
+                         f"{saved['seed']}, but this config implies {expected} with seed {seed}: "
+                         "resume with the batch size, grad_accum and seed it was trained with",
+                         ckpt)
 
 
 def read_train_log(run: Path) -> dict[int, dict]:

@@ -126,7 +126,7 @@ def test_run_end_to_end_then_every_stage_skips(bundled_store, tmp_path, capsys):
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
     assert run.data.params["train.steps"] == "4"
-    assert {"config.yaml", "manifest.json", "eval"} <= {a.path for a in
+    assert {"config.yaml", "manifest.json", "checkpoint.json", "eval"} <= {a.path for a in
                                                         client.list_artifacts(run.info.run_id)}
     assert run.data.tags["megabase.checkpoint"].endswith("step-000004")
 
@@ -158,3 +158,12 @@ def test_bf16_and_gradient_accumulation_train(bundled_store, tmp_path):
                  "--set", "train.grad_accum=2", "--quiet"]) == 0
     rows = read_train_log(tmp_path / "runs" / "tiny")
     assert sorted(rows) == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows.values())
+
+
+def test_resume_with_another_batch_shape_is_refused(bundled_store, tmp_path, capsys):
+    assert main(["train", *tiny(tmp_path, bundled_store, 4), "--set", "train.steps=2",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", *tiny(tmp_path, bundled_store, 4), "--set", "train.grad_accum=2",
+                 "--resume", "--quiet"]) == 2
+    assert "resume with the batch size" in capsys.readouterr().err
