@@ -68,11 +68,13 @@ class DSALayer(nn.Module):
             if train_indexer:
                 aux = indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=cfg.dsa_block)
         else:
-            idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset)
+            backend = cfg.dsa_backend
+            idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset,
+                                 backend)
             if train_indexer:
                 o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block,
-                                        return_probs=True)
-                aux = indexer_kl_sparse(qi, ki, wi, idx, p)
+                                        return_probs=True, backend=backend)
+                aux = indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
             else:
-                o = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block)
+                o = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend)
         return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# The Triton DSA kernels run under the interpreter where there is no GPU; Triton reads this when it
+# is imported, so it is set before any test module imports it.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 GENOMES = Path(os.environ.get("MEGABASE_GENOMES", ROOT.parent / "shared" / "genomes"))
 UMAYDIS = GENOMES / "umaydis.fa.gz"

@@ -1,33 +1,105 @@
 """DeepSeek Sparse Attention: lightning indexer with running top-k, sparse attention, indexer losses.
 
-Plain-PyTorch reference in :mod:`megabase.kernels.dsa.reference`; shapes follow
-``fla.ops.dsa.naive_dsa``.
+Two implementations with one signature: the plain-PyTorch reference
+(:mod:`megabase.kernels.dsa.reference`, the CPU default and the test oracle) and Triton kernels
+(:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
+``"reference"`` or ``"triton"``; Triton on CPU tensors runs under ``TRITON_INTERPRET=1`` only
+(slow: for tests at tiny shapes). Shapes follow ``fla.ops.dsa.naive_dsa``.
 """
+
+from __future__ import annotations
+
+import os
 
 import torch
 
-from .reference import (
-    dsa_attention,
-    dsa_indexer,
-    indexer_kl_dense,
-    indexer_kl_sparse,
-    sparse_attention,
-)
+from . import reference
+from .reference import BLOCK_K, BLOCK_Q, indexer_kl_dense
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(backend: str, like: torch.Tensor) -> str:
+    """``"reference"`` or ``"triton"`` for tensors like ``like``; a clear error if impossible."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown DSA backend {backend!r}; choose {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if like.is_cuda and _triton_available() else "reference"
+    if backend == "triton" and not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton DSA kernels need CUDA tensors, or TRITON_INTERPRET=1 (set "
+                         "before triton is imported) to run on the CPU")
+    return backend
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _impl(backend: str, like: torch.Tensor):
+    if resolve_backend(backend, like) == "triton":
+        from . import triton_kernels
+
+        return triton_kernels
+    return reference
+
+
+def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
+                block_q: int = BLOCK_Q, block_k: int = BLOCK_K, offset: int = 0,
+                backend: str = "auto"):
+    """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
+    ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
+    impl = _impl(backend, q_idx)
+    if impl is reference:
+        return reference.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q,
+                                     block_k, offset)
+    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
+
+
+def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
+                     return_probs: bool = False, backend: str = "auto"):
+    """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
+    (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
+    impl = _impl(backend, q)
+    if impl is reference:
+        return reference.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    return impl.sparse_attention(q, k, v, indices, scale, return_probs)
+
+
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):
+    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries."""
+    return _impl(backend, q_idx).indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+
+
+def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048, scale=None,
+                  indices=None, return_indices: bool = False, keep_recent: int = 0,
+                  block_q: int = BLOCK_Q, backend: str = "auto"):
+    """DSA: the indexer picks ``topk`` keys per query (unless ``indices`` are given), then sparse
+    softmax attention over them. Returns ``o`` or ``(o, indices)``."""
+    if indices is None:
+        if q_idx is None or k_idx is None:
+            raise ValueError("dsa_attention needs q_idx and k_idx, or precomputed indices")
+        indices = dsa_indexer(q_idx, k_idx, w_idx, topk, keep_recent=keep_recent,
+                              block_q=block_q, backend=backend)
+    o = sparse_attention(q, k, v, indices, scale, block_q, backend=backend)
+    return (o, indices) if return_indices else o
 
 
 @torch.library.custom_op("megabase::dsa_indexer", mutates_args=())
 def dsa_indexer_op(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor | None,
-                   topk: int, keep_recent: int, block_q: int, offset: int) -> torch.Tensor:
+                   topk: int, keep_recent: int, block_q: int, offset: int,
+                   backend: str = "auto") -> torch.Tensor:
     """:func:`dsa_indexer` as one registered op, so activation recompute can keep its output
     (``megabase.pipeline.memory``): the O(T^2) selection then runs once per step, not twice."""
     return dsa_indexer(q_idx, k_idx, w_idx, topk, keep_recent=keep_recent, block_q=block_q,
-                       offset=offset)
+                       offset=offset, backend=backend)
 
 
 @dsa_indexer_op.register_fake
-def _(q_idx, k_idx, w_idx, topk, keep_recent, block_q, offset):
+def _(q_idx, k_idx, w_idx, topk, keep_recent, block_q, offset, backend="auto"):
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], topk), dtype=torch.long)
 
 
-__all__ = ["dsa_attention", "dsa_indexer", "dsa_indexer_op", "indexer_kl_dense", "indexer_kl_sparse",
-           "sparse_attention"]
+__all__ = ["BACKENDS", "dsa_attention", "dsa_indexer", "dsa_indexer_op", "indexer_kl_dense",
+           "indexer_kl_sparse", "resolve_backend", "sparse_attention"]
