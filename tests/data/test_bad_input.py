@@ -188,9 +188,9 @@ def test_ctrl_c_leaves_nothing(tmp_path):
     rng = np.random.default_rng(0)
     fasta = tmp_path / "big.fa"
     with open(fasta, "wb") as fh:
-        for i in range(4):
-            seq = np.frombuffer(b"ACGTacgtN", np.uint8)[rng.integers(0, 9, 40_000_000)]
-            fh.write(f">chr{i}\n".encode() + seq.tobytes() + b"\n")
+        seq = np.frombuffer(b"ACGTacgtN", np.uint8)[rng.integers(0, 9, 40_000_000)].tobytes()
+        for i in range(12):  # the signal lands after the first record, long before the last
+            fh.write(f">chr{i}\n".encode() + seq + b"\n")
     exe = Path(sys.executable).parent / "megabase"
     proc = subprocess.Popen([str(exe), "prepare", str(fasta), "--out", str(tmp_path / "store")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
