@@ -192,8 +192,10 @@ def test_ctrl_c_leaves_nothing(tmp_path):
         for i in range(12):  # the signal lands after the first record, long before the last
             fh.write(f">chr{i}\n".encode() + seq + b"\n")
     exe = Path(sys.executable).parent / "megabase"
+    # a runner started in the background (`cmd &`) ignores SIGINT and its children inherit that
     proc = subprocess.Popen([str(exe), "prepare", str(fasta), "--out", str(tmp_path / "store")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(".store.tmp-*/records/*")) and proc.poll() is None:
         assert time.monotonic() < deadline
