@@ -8,9 +8,39 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .layers import ROW_TILE, Linear, SwiGLU, tiled_matmul
+from .layers import ROW_TILE, Linear, SwiGLU
 
 EXPERT_TILE = 64  # an expert sees ~ROW_TILE * k / E rows of a group: small tiles waste less padding
+
+
+def _dispatch(sel: torch.Tensor, E: int):
+    """Rows of the per-expert products for routing ``sel [n, k]``.
+
+    Rows go expert by expert; inside an expert, per aligned group of ``ROW_TILE`` tokens, each
+    (expert, group) run padded to whole ``EXPERT_TILE``-row tiles. A token's place in its tile then
+    depends only on the tokens before it in its group (canonical shapes, see layers.py), and its
+    contributions are added in expert order. Returns ``(token [m], slot [m], tiles [E])``: the
+    token and routing slot of each row (``token = -1`` on padding) and the tiles of each expert.
+    """
+    n, k = sel.shape
+    device = sel.device
+    groups = (n + ROW_TILE - 1) // ROW_TILE
+    token = torch.arange(n, device=device).repeat_interleave(k)
+    slot = torch.arange(k, device=device).repeat(n)
+    run = sel.reshape(-1) * groups + token // ROW_TILE  # (expert, group) in dispatch order
+    order = torch.sort(run * (n * k) + token * k + slot).indices
+    token, slot, run = token[order], slot[order], run[order]
+    counts = torch.bincount(run, minlength=E * groups)
+    padded = (counts + EXPERT_TILE - 1) // EXPERT_TILE * EXPERT_TILE
+    starts = torch.cumsum(padded, 0) - padded
+    first = torch.cumsum(counts, 0) - counts
+    where = starts[run] + torch.arange(run.numel(), device=device) - first[run]
+    total = int(padded.sum())
+    tok = torch.full((total,), -1, dtype=torch.long, device=device)
+    slots = torch.zeros(total, dtype=torch.long, device=device)
+    tok[where], slots[where] = token, slot
+    tiles = (padded // EXPERT_TILE).reshape(E, groups).sum(1)
+    return tok, slots, tiles
 
 
 class MoE(nn.Module):
@@ -48,23 +78,24 @@ class MoE(nn.Module):
         E = self.cfg.n_experts
         scores, sel, gates = self._route(x)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        # Dispatch per aligned group of ROW_TILE tokens: a token's place in its expert's batch then
-        # depends only on the tokens before it in its group (see layers.py: canonical shapes).
-        parts = []
-        for g in range(0, x.shape[0], ROW_TILE):
-            xg, sg, gg, yg = (t[g : g + ROW_TILE] for t in (x, sel, gates, out))
-            for e in range(E):
-                rows, slot = (sg == e).nonzero(as_tuple=True)
-                if rows.numel() == 0:
-                    continue
-                a, b = tiled_matmul(xg.index_select(0, rows), self.w13[e].t(), EXPERT_TILE).chunk(
-                    2, dim=-1)
-                y = tiled_matmul(F.silu(a) * b, self.w2[e].t(), EXPERT_TILE)
-                yg = yg.index_add(0, rows, (y * gg[rows, slot, None].to(y.dtype)).to(yg.dtype))
-            parts.append(yg)
+        tok, slot, tiles = _dispatch(sel, E)
+        if tok.numel():
+            rows = tok.clamp(min=0)
+            xt = x.index_select(0, rows).masked_fill((tok < 0)[:, None], 0.0)
+            xt = xt.reshape(-1, EXPERT_TILE, x.shape[-1])
+            ys, t0 = [], 0
+            for e, count in enumerate(tiles.tolist()):  # one product per expert over its tiles
+                if count:
+                    a, b = (xt[t0 : t0 + count] @ self.w13[e].to(x.dtype)).chunk(2, dim=-1)
+                    ys.append((F.silu(a) * b) @ self.w2[e].to(x.dtype))
+                    t0 += count
+            y = torch.cat(ys).reshape(-1, x.shape[-1])
+            keep = tok >= 0
+            g = gates[rows[keep], slot[keep], None]
+            out = out.index_add(0, rows[keep], (y[keep] * g.to(y.dtype)).to(out.dtype))
         load = torch.bincount(sel.flatten(), minlength=E).float()
         share = (scores / scores.sum(-1, keepdim=True)).sum(0)
-        return torch.cat(parts) if parts else out, load, share
+        return out, load, share
 
     def forward(self, x: torch.Tensor):
         B, T, d = x.shape

@@ -84,3 +84,27 @@ def test_dsa_layer_sparse_equals_dense_when_t_le_topk_and_dense_warmup_trains(re
     b.loss.backward()
     layer = dense.blocks[3].mixer
     assert b.aux_loss > 0 and layer.qi_proj.weight.grad.abs().sum() > 0
+
+
+def test_grouped_expert_product_equals_a_per_token_loop():
+    """The tiled, grouped dispatch against the definition: shared(x) + sum of gated experts."""
+    import torch.nn.functional as F
+
+    from megabase.model import get_preset
+
+    torch.manual_seed(0)
+    moe = MoE(get_preset("debug", moe_chunk=4096))
+    moe.bias.copy_(torch.randn_like(moe.bias))  # selection steered by the bias as well
+    x = torch.randn(2500, moe.cfg.d_model)  # three ROW_TILE groups, the last one partial
+    with torch.no_grad():
+        out, load, _ = moe._chunk(x)
+        _, sel, gates = moe._route(x)
+        expect = moe.shared(x)
+        for t in range(0, x.shape[0], 97):
+            for j in range(sel.shape[1]):
+                e = int(sel[t, j])
+                a, b = (x[t] @ moe.w13[e]).chunk(2)
+                expect[t] += gates[t, j] * ((F.silu(a) * b) @ moe.w2[e])
+    rows = torch.arange(0, x.shape[0], 97)
+    torch.testing.assert_close(out[rows], expect[rows], rtol=1e-5, atol=1e-5)
+    assert int(load.sum()) == x.shape[0] * moe.cfg.experts_per_token
