@@ -110,10 +110,10 @@ def _segment(q, k, v, g, beta, state, chunk: int):
     """One segment ``[B, HV, Ts, *]`` (Ts a multiple of ``FRAME * chunk``); returns (o, state)."""
     outs = []
     step = FRAME * chunk
-    for f in range(0, q.shape[2], step):
+    # split, not slices: a slice's backward zero-fills the whole input once per frame
+    for frame in zip(*(x.split(step, dim=2) for x in (q, k, v, g, beta))):
         # contiguous: strides of a slice depend on T, and kernels pick code paths by stride
-        frame = (x[:, :, f : f + step].contiguous() for x in (q, k, v, g, beta))
-        o, state = _frame(*frame, state.contiguous(), chunk)
+        o, state = _frame(*(x.contiguous() for x in frame), state.contiguous(), chunk)
         outs.append(o)
     return torch.cat(outs, dim=2), state
 
@@ -173,8 +173,7 @@ def kda_chunk(
     frame = FRAME * chunk_size
     seg = max(frame, segment - segment % frame)
     outs = []
-    for s in range(0, T + pad, seg):
-        args = [x[:, :, s : s + seg] for x in (q, k, v, g, beta)]
+    for args in zip(*(x.split(seg, dim=2) for x in (q, k, v, g, beta))) if T + pad else ():
         if torch.is_grad_enabled() and T + pad > seg:
             o, state = checkpoint(_segment, *args, state, chunk_size, use_reentrant=False)
         else:
