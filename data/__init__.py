@@ -18,7 +18,7 @@ from .vocab import (
     tokenize,
     vocab_dict,
 )
-from .windows import Window, make_windows, read_bed, write_bed
+from .windows import Window, make_windows, read_bed, windows_comment, write_bed
 
 _LAZY = {
     "WindowDataset": ".dataset",
@@ -46,5 +46,5 @@ __all__ = [
     "InputError", "Region", "aliases", "parse_region", "resolve_name", "PrepareResult",
     "TokenStore", "prepare", "N", "PAD", "SEP", "SYMBOLS", "VOCAB_SIZE", "detokenize",
     "repeat_mask", "reverse_complement", "tokenize", "vocab_dict", "Window", "make_windows",
-    "read_bed", "write_bed", "WindowDataset", "ResumableSampler", "to_hf_dataset", "default_genome",
+    "read_bed", "windows_comment", "write_bed", "WindowDataset", "ResumableSampler", "to_hf_dataset", "default_genome",
 ]

@@ -167,6 +167,14 @@ def _starts(begin: int, end: int, length: int, stride: int) -> list[int]:
     return starts
 
 
+def windows_comment(store: Path, length: int, stride: int | None, max_n_frac: float,
+                    splits: dict[str, list[str]]) -> str:
+    """The BED header line recording how windows were made (compared to skip remaking them)."""
+    split_text = ";".join(k + "=" + ",".join(v) for k, v in splits.items())
+    return (f"megabase windows store={Path(store).resolve()} length={length} "
+            f"stride={stride or length} max_n_frac={max_n_frac} splits={split_text}")
+
+
 def write_bed(path: str | Path, windows: list[Window], comment: str | None = None) -> Path:
     """Write windows as BED4 (``chrom start end split``) atomically; returns the path."""
     path = Path(path)

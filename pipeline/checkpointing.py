@@ -67,9 +67,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if (path / TRAINER_STATE).is_file() else None
 
 
+def trainer_state(path: Path) -> dict:
+    """``trainer.pt`` of a checkpoint (optimizer, loops, RNG...), read without unpickling code."""
+    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
 def saved_step(path: Path) -> int:
     """Optimizer steps done when ``path`` was written."""
-    return int(torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)["global_step"])
+    return int(trainer_state(path)["global_step"])
 
 
 class PeriodicCheckpoint(pl.Callback):

@@ -27,7 +27,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_windows(args: argparse.Namespace) -> None:
-    from megabase.data import TokenStore, make_windows, write_bed
+    from megabase.data import TokenStore, make_windows, windows_comment, write_bed
     from megabase.data.windows import parse_split
 
     store = TokenStore(args.store)
@@ -43,12 +43,8 @@ def cmd_windows(args: argparse.Namespace) -> None:
         raise InputError("every window was dropped; raise --max-n-frac or choose other regions",
                          store.path)
     out = Path(args.out) if args.out else store.path / f"windows-{args.length}.bed"
-    split_text = ";".join(k + "=" + ",".join(v) for k, v in splits.items())
-    comment = (
-        f"megabase windows store={store.path.resolve()} length={args.length} "
-        f"stride={args.stride or args.length} max_n_frac={args.max_n_frac} splits={split_text}"
-    )
-    write_bed(out, windows, comment)
+    write_bed(out, windows, windows_comment(store.path, args.length, args.stride, args.max_n_frac,
+                                            splits))
     summary.print_windows(out, args.length, per_split)
 
 

@@ -38,27 +38,21 @@ def ensure_store(cfg: RunConfig, progress: bool = True):
     return TokenStore(cfg.path(cfg.data.store)), result
 
 
-def _windows_comment(cfg: RunConfig, store) -> str:
-    d = cfg.data
-    return (f"megabase windows store={store.path.resolve()} length={d.window_length} "
-            f"stride={d.stride or d.window_length} max_n_frac={d.max_n_frac} "
-            f"splits=train={','.join(d.train)};eval={','.join(d.eval)}")
-
-
 def ensure_windows(cfg: RunConfig, store) -> Path:
     """``WORKDIR/windows-L.bed`` for the config's splits, rewritten only if its parameters changed."""
-    from megabase.data import make_windows, write_bed
+    from megabase.data import make_windows, windows_comment, write_bed
     from megabase.data.errors import InputError
 
     from .train import windows_path
 
+    d = cfg.data
     path = windows_path(cfg)
-    comment = _windows_comment(cfg, store)
+    splits = {"train": list(d.train), "eval": list(d.eval)}
+    comment = windows_comment(store.path, d.window_length, d.stride, d.max_n_frac, splits)
     if path.is_file() and path.read_text().partition("\n")[0] == f"# {comment}":
         return path
-    d = cfg.data
-    windows, _ = make_windows(store, {"train": list(d.train), "eval": list(d.eval)},
-                              d.window_length, stride=d.stride, max_n_frac=d.max_n_frac)
+    windows, _ = make_windows(store, splits, d.window_length, stride=d.stride,
+                              max_n_frac=d.max_n_frac)
     if not any(w.split == "train" for w in windows):
         raise InputError(f"no training windows of {d.window_length:,} bases in "
                          f"{','.join(d.train)}", store.path)
@@ -68,25 +62,27 @@ def ensure_windows(cfg: RunConfig, store) -> Path:
 def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     """The whole job (see module docs); returns where everything is."""
     from megabase.eval.evaluate import evaluate
+    from megabase.model import read_checkpoint_config
 
     from .checkpointing import latest_checkpoint, saved_step
-    from .train import run_dir, train
+    from .train import run_dir, train, windows_path
 
     started = time.perf_counter()
     stages = {}
     store, prepared = ensure_store(cfg, progress)
     stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"
-    before = (cfg.path(f"windows-{cfg.data.window_length}.bed")).stat().st_mtime_ns \
-        if cfg.path(f"windows-{cfg.data.window_length}.bed").is_file() else None
+    bed = windows_path(cfg)
+    before = bed.stat().st_mtime_ns if bed.is_file() else None
     bed = ensure_windows(cfg, store)
     stages["windows"] = "skipped (up to date)" if before == bed.stat().st_mtime_ns else "done"
 
     out = run_dir(cfg)
     ckpt = latest_checkpoint(out)
-    if ckpt is not None and saved_step(ckpt) >= cfg.train.steps:
-        stages["train"] = f"skipped (checkpoint at step {saved_step(ckpt)})"
+    done = saved_step(ckpt) if ckpt is not None else 0
+    if ckpt is not None and done >= cfg.train.steps:
+        stages["train"] = f"skipped (checkpoint at step {done})"
         history = []
-        meta = json.loads((ckpt / "config.json").read_text()).get("mlflow", {})
+        meta = read_checkpoint_config(ckpt).get("mlflow", {})
         uri, run_id = meta.get("tracking_uri", cfg.tracking_uri()), meta.get("run_id", "")
     else:
         result = train(cfg, resume=ckpt is not None, progress=progress)
@@ -99,10 +95,10 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     if cfg.eval.enabled:
         report_dir = out / "eval"
         existing = report_dir / "report.json"
-        if existing.is_file() and json.loads(existing.read_text()).get("checkpoint") == \
-                str(Path(ckpt).resolve()) and stages["train"].startswith("skipped"):
+        report = json.loads(existing.read_text()) if existing.is_file() else {}
+        if report.get("checkpoint") == str(Path(ckpt).resolve()) and \
+                stages["train"].startswith("skipped"):
             stages["evaluate"] = "skipped (report of this checkpoint exists)"
-            report = json.loads(existing.read_text())
         else:
             e = cfg.eval
             report = evaluate(ckpt, store.path, out=report_dir,

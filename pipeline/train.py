@@ -88,9 +88,11 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
 
     from megabase.data import WindowDataset
     from megabase.eval.tracking import experiment_id, quiet_libraries, resolve_tracking_uri
-    from megabase.model import build_model
+    from megabase.model import build_model, read_checkpoint_config
 
-    from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, saved_step
+    from .checkpointing import (
+        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, trainer_state,
+    )
     from .lit import LitLM
     from .memory import apply_offload, apply_recompute
     from .stages import ensure_windows
@@ -103,12 +105,13 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     if ckpt is not None and not resume:
         raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
                          "or set name to start another", out)
-    start_step = saved_step(ckpt) if ckpt is not None else 0
     per_step = cfg.train.batch_size * cfg.train.grad_accum
+    start_step, run_id = 0, None
     if ckpt is not None:
-        check_data_position(ckpt, start_step * per_step, cfg.train.seed)
-    run_id = json.loads((ckpt / "config.json").read_text()).get("mlflow", {}).get("run_id") \
-        if ckpt is not None else None
+        state = trainer_state(ckpt)
+        start_step = int(state["global_step"])
+        check_data_position(ckpt, state, start_step * per_step, cfg.train.seed)
+        run_id = read_checkpoint_config(ckpt).get("mlflow", {}).get("run_id")
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.yaml", dump_config(cfg).encode())
 
@@ -156,25 +159,21 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         if start_step < t.steps:
             trainer.fit(lit, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
     final = latest_checkpoint(out)
+    steps = trainer.global_step or start_step  # the final checkpoint's step
     client = MlflowClient(uri)
     client.set_tag(run_id, "megabase.checkpoint", str(final))
-    client.log_dict(run_id, {"checkpoint": str(final), "step": saved_step(final) if final else 0},
-                    "checkpoint.json")
+    client.log_dict(run_id, {"checkpoint": str(final), "step": steps}, "checkpoint.json")
     for path in (out / "config.yaml", store.path / "manifest.json"):
         if path.is_file():
             client.log_artifact(run_id, str(path))
-    return TrainResult(out, final, trainer.global_step or start_step, lit.history, uri, run_id,
+    return TrainResult(out, final, steps, lit.history, uri, run_id,
                        time.perf_counter() - started, start_step)
 
 
-def check_data_position(ckpt: Path, expected: int, seed: int) -> None:
-    """The checkpoint's saved sample position must match what its step implies under this
-    config: a resume with another batch size, accumulation or seed would replay other data."""
-    import torch
-
-    from .checkpointing import TRAINER_STATE
-
-    state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
+def check_data_position(ckpt: Path, state: dict, expected: int, seed: int) -> None:
+    """The checkpoint's saved sample position (``state``: its trainer state) must match what its
+    step implies under this config: a resume with another batch size, accumulation or seed would
+    replay other data."""
     saved = state.get("megabase_data", {})
     if saved and (saved["samples_consumed"] != expected or saved["seed"] != seed):
         raise InputError(f"checkpoint consumed {saved['samples_consumed']} samples with seed "

@@ -269,19 +269,6 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     return (o, probs[:, :Tq]) if return_probs else o
 
 
-def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048, scale=None,
-                  indices=None, return_indices: bool = False, keep_recent: int = 0,
-                  block_q: int = BLOCK_Q):
-    """DSA: the indexer picks ``topk`` keys per query (unless ``indices`` are given), then sparse
-    softmax attention over them. Returns ``o`` or ``(o, indices)``."""
-    if indices is None:
-        if q_idx is None or k_idx is None:
-            raise ValueError("dsa_attention needs q_idx and k_idx, or precomputed indices")
-        indices = dsa_indexer(q_idx, k_idx, w_idx, topk, keep_recent=keep_recent, block_q=block_q)
-    o = sparse_attention(q, k, v, indices, scale, block_q)
-    return (o, indices) if return_indices else o
-
-
 @full_precision
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 1024):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
