@@ -105,6 +105,31 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
 
 
 @triton.jit
+def _selection(IDX, b, t, sib, sit, sik, TOPK: tl.constexpr, TOPK_P: tl.constexpr):
+    """A query's selected keys: ``(valid, safe)``, the -1 slots pointed at row 0 (masked)."""
+    rk = tl.arange(0, TOPK_P)
+    idx = tl.load(IDX + b * sib + t * sit + rk * sik, mask=rk < TOPK, other=-1)
+    valid = idx >= 0
+    return valid, tl.where(valid, idx, 0)
+
+
+@triton.jit
+def _head_tiles(Q, K, V, b, t, h, valid, safe, sqb, sqt, sqh, sqd, skb, skt, skh, skd,
+                svb, svt, svh, svd, G: tl.constexpr, G_P: tl.constexpr, D: tl.constexpr,
+                D_P: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr):
+    """The query heads of key/value head ``h`` ``[G_P, D_P]`` and its selected keys
+    ``[TOPK_P, D_P]`` and values ``[TOPK_P, DV_P]`` (zeros where masked)."""
+    rg, rd, rv = tl.arange(0, G_P), tl.arange(0, D_P), tl.arange(0, DV_P)
+    q = tl.load(Q + b * sqb + t * sqt + (h * G + rg)[:, None] * sqh + rd[None, :] * sqd,
+                mask=(rg < G)[:, None] & (rd[None, :] < D), other=0.0)
+    k = tl.load(K + b * skb + safe[:, None] * skt + h * skh + rd[None, :] * skd,
+                mask=valid[:, None] & (rd[None, :] < D), other=0.0)
+    v = tl.load(V + b * svb + safe[:, None] * svt + h * svh + rv[None, :] * svd,
+                mask=valid[:, None] & (rv[None, :] < DV), other=0.0)
+    return q, k, v
+
+
+@triton.jit
 def _sparse_fwd_kernel(Q, K, V, IDX, O, LSE, P, scale,
                        sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd,
                        sib, sit, sik, sob, sot, soh, sod, slb, slt, slh, spb, spt, spk,
@@ -114,19 +139,13 @@ def _sparse_fwd_kernel(Q, K, V, IDX, O, LSE, P, scale,
     t = tl.program_id(0)
     b = tl.program_id(1)
     rk = tl.arange(0, TOPK_P)
-    idx = tl.load(IDX + b * sib + t * sit + rk * sik, mask=rk < TOPK, other=-1)
-    valid = idx >= 0
-    safe = tl.where(valid, idx, 0)
-    rg, rd, rv = tl.arange(0, G_P), tl.arange(0, D_P), tl.arange(0, DV_P)
+    valid, safe = _selection(IDX, b, t, sib, sit, sik, TOPK, TOPK_P)
+    rg, rv = tl.arange(0, G_P), tl.arange(0, DV_P)
     gmask = rg < G
     ph = tl.zeros([TOPK_P], dtype=tl.float32)
     for h in tl.static_range(H):
-        q = tl.load(Q + b * sqb + t * sqt + (h * G + rg)[:, None] * sqh + rd[None, :] * sqd,
-                    mask=gmask[:, None] & (rd[None, :] < D), other=0.0)
-        k = tl.load(K + b * skb + safe[:, None] * skt + h * skh + rd[None, :] * skd,
-                    mask=valid[:, None] & (rd[None, :] < D), other=0.0)
-        v = tl.load(V + b * svb + safe[:, None] * svt + h * svh + rv[None, :] * svd,
-                    mask=valid[:, None] & (rv[None, :] < DV), other=0.0)
+        q, k, v = _head_tiles(Q, K, V, b, t, h, valid, safe, sqb, sqt, sqh, sqd, skb, skt, skh,
+                              skd, svb, svt, svh, svd, G, G_P, D, D_P, DV, DV_P)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m = tl.max(s, axis=1)
@@ -151,22 +170,15 @@ def _sparse_bwd_kernel(Q, K, V, IDX, O, LSE, DO, DQ, DK, DV_, scale,
                        TOPK: tl.constexpr, TOPK_P: tl.constexpr):
     t = tl.program_id(0)
     b = tl.program_id(1)
-    rk = tl.arange(0, TOPK_P)
-    idx = tl.load(IDX + b * sib + t * sit + rk * sik, mask=rk < TOPK, other=-1)
-    valid = idx >= 0
-    safe = tl.where(valid, idx, 0)
+    valid, safe = _selection(IDX, b, t, sib, sit, sik, TOPK, TOPK_P)
     rg, rd, rv = tl.arange(0, G_P), tl.arange(0, D_P), tl.arange(0, DV_P)
     gmask = rg < G
     qm, om = gmask[:, None] & (rd[None, :] < D), gmask[:, None] & (rv[None, :] < DV)
     km, vm = valid[:, None] & (rd[None, :] < D), valid[:, None] & (rv[None, :] < DV)
     for h in tl.static_range(H):
         rows = h * G + rg
-        q = tl.load(Q + b * sqb + t * sqt + rows[:, None] * sqh + rd[None, :] * sqd, mask=qm,
-                    other=0.0)
-        k = tl.load(K + b * skb + safe[:, None] * skt + h * skh + rd[None, :] * skd, mask=km,
-                    other=0.0)
-        v = tl.load(V + b * svb + safe[:, None] * svt + h * svh + rv[None, :] * svd, mask=vm,
-                    other=0.0)
+        q, k, v = _head_tiles(Q, K, V, b, t, h, valid, safe, sqb, sqt, sqh, sqd, skb, skt, skh,
+                              skd, svb, svt, svh, svd, G, G_P, D, D_P, DV, DV_P)
         o = tl.load(O + b * sob + t * sot + rows[:, None] * soh + rv[None, :] * sod, mask=om,
                     other=0.0)
         do = tl.load(DO + b * sob + t * sot + rows[:, None] * soh + rv[None, :] * sod, mask=om,
@@ -246,9 +258,7 @@ def _kl_kernel(QI, KI, WI, IDX, P, LOSS, DQ, DK, DW, scale, gscale,
     b = tl.program_id(1)
     Tq = tl.num_programs(0)
     rk = tl.arange(0, TOPK_P)
-    idx = tl.load(IDX + b * sib + t * sit + rk * sik, mask=rk < TOPK, other=-1)
-    valid = idx >= 0
-    safe = tl.where(valid, idx, 0)
+    valid, safe = _selection(IDX, b, t, sib, sit, sik, TOPK, TOPK_P)
     rd = tl.arange(0, DI_P)
     dmask = rd < DI
     kk = tl.load(KI + b * skb + safe[:, None] * skt + rd[None, :] * skd,
