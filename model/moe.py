@@ -43,6 +43,30 @@ def _dispatch(sel: torch.Tensor, E: int):
     return tok, slots, tiles
 
 
+def _grouped(x: torch.Tensor) -> bool:
+    # torch._grouped_mm: any dtype on CPU; on CUDA its kernels (sm90+) take bf16 only
+    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+
+
+def _expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor):
+    """SwiGLU of each expert over its rows: ``x [m, d]`` grouped by expert, ``rows [E]`` per expert.
+
+    One grouped GEMM per projection where torch has them (no per-expert launches), else one
+    product per expert. ``w13 [E, d, 2h]``, ``w2 [E, h, d]``; returns ``[m, d]``.
+    """
+    if _grouped(x):
+        offs = torch.cumsum(rows, 0).to(torch.int32)
+        a, b = torch._grouped_mm(x, w13, offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(a) * b, w2, offs=offs)
+    ys, r0 = [], 0
+    for e, count in enumerate(rows.tolist()):
+        if count:
+            a, b = (x[r0 : r0 + count] @ w13[e]).chunk(2, dim=-1)
+            ys.append((F.silu(a) * b) @ w2[e])
+            r0 += count
+    return torch.cat(ys)
+
+
 class MoE(nn.Module):
     """``[B, T, d] -> ([B, T, d], aux_loss, load [E])``.
 
@@ -82,14 +106,7 @@ class MoE(nn.Module):
         if tok.numel():
             rows = tok.clamp(min=0)
             xt = x.index_select(0, rows).masked_fill((tok < 0)[:, None], 0.0)
-            xt = xt.reshape(-1, EXPERT_TILE, x.shape[-1])
-            ys, t0 = [], 0
-            for e, count in enumerate(tiles.tolist()):  # one product per expert over its tiles
-                if count:
-                    a, b = (xt[t0 : t0 + count] @ self.w13[e].to(x.dtype)).chunk(2, dim=-1)
-                    ys.append((F.silu(a) * b) @ self.w2[e].to(x.dtype))
-                    t0 += count
-            y = torch.cat(ys).reshape(-1, x.shape[-1])
+            y = _expert_ffn(xt, self.w13.to(x.dtype), self.w2.to(x.dtype), tiles * EXPERT_TILE)
             keep = tok >= 0
             g = gates[rows[keep], slot[keep], None]
             out = out.index_add(0, rows[keep], (y[keep] * g.to(y.dtype)).to(out.dtype))

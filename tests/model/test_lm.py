@@ -86,11 +86,15 @@ def test_dsa_layer_sparse_equals_dense_when_t_le_topk_and_dense_warmup_trains(re
     assert b.aux_loss > 0 and layer.qi_proj.weight.grad.abs().sum() > 0
 
 
-def test_grouped_expert_product_equals_a_per_token_loop():
-    """The tiled, grouped dispatch against the definition: shared(x) + sum of gated experts."""
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per-expert"])
+def test_grouped_expert_product_equals_a_per_token_loop(grouped, monkeypatch):
+    """The tiled, grouped dispatch against the definition: shared(x) + sum of gated experts,
+    through torch's grouped GEMM and through the per-expert products it falls back to."""
     import torch.nn.functional as F
 
-    from megabase.model import get_preset
+    from megabase.model import get_preset, moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_grouped", lambda x: grouped)
 
     torch.manual_seed(0)
     moe = MoE(get_preset("debug", moe_chunk=4096))
