@@ -43,6 +43,23 @@ class DSALayer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, aux_loss)``; with ``state`` it attends over cached keys and extends the cache."""
+        B, T, _ = x.shape
+        q, k, v, qi, ki, wi = self.project(x)
+        offset = 0
+        if state is not None and "k" in state:
+            offset = state["k"].shape[1]
+            k, v, ki = (torch.cat([state[n], t], dim=1) for n, t in (("k", k), ("v", v), ("ki", ki)))
+        if state is not None:
+            state["k"], state["v"], state["ki"] = k, v, ki
+        if self.cfg.indexer_mode == "dense" and state is None:
+            o, aux = self.attend_dense(q, k, v, qi, ki, wi)
+        else:
+            o, aux = self.attend(q, k, v, qi, ki, wi, offset)
+        return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux
+
+    def project(self, x: torch.Tensor):
+        """``x [B, T, d]`` -> ``(q [B,T,HQ,D], k, v [B,T,H,D], q_idx [B,T,IH,ID], k_idx [B,T,ID],
+        w_idx [B,T,IH])``; the indexer reads a detached ``x``."""
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.HQ, self.D))
@@ -52,29 +69,32 @@ class DSALayer(nn.Module):
         qi = self.qi_proj(xi).reshape(B, T, cfg.index_heads, cfg.index_dim)
         ki = self.ki_norm(self.ki_proj(xi))
         wi = self.wi_proj(xi) * cfg.index_heads**-0.5
-        offset = 0
-        if state is not None and "k" in state:
-            offset = state["k"].shape[1]
-            k, v, ki = (torch.cat([state[n], t], dim=1) for n, t in (("k", k), ("v", v), ("ki", ki)))
-        if state is not None:
-            state["k"], state["v"], state["ki"] = k, v, ki
-        train_indexer = self.training and torch.is_grad_enabled()
-        aux = x.new_zeros((), dtype=torch.float)
-        if cfg.indexer_mode == "dense" and state is None:
-            rep = self.HQ // self.H
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
-                v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
-            if train_indexer:
-                aux = indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=cfg.dsa_block)
-        else:
-            backend = cfg.dsa_backend
-            idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset,
-                                 backend)
-            if train_indexer:
-                o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block,
-                                        return_probs=True, backend=backend)
-                aux = indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
-            else:
-                o = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend)
-        return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux
+        return q, k, v, qi, ki, wi
+
+    def _train_indexer(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def attend(self, q, k, v, qi, ki, wi, offset: int = 0):
+        """Sparse attention of queries at positions ``offset..offset+Tq`` over keys ``0..Tk``:
+        ``(o [B, Tq, HQ, D], indexer_loss_weight * KL averaged over the queries, or 0)``."""
+        cfg = self.cfg
+        backend = cfg.dsa_backend
+        idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset, backend)
+        if not self._train_indexer():
+            o = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend)
+            return o, q.new_zeros((), dtype=torch.float)
+        o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, return_probs=True,
+                                backend=backend)
+        return o, cfg.indexer_loss_weight * indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
+
+    def attend_dense(self, q, k, v, qi, ki, wi):
+        """The indexer warm-up: dense causal attention, the indexer trained toward its weights."""
+        rep = self.HQ // self.H
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
+            v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+        aux = q.new_zeros((), dtype=torch.float)
+        if self._train_indexer():
+            aux = self.cfg.indexer_loss_weight * indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi,
+                                                                  block_q=self.cfg.dsa_block)
+        return o, aux

@@ -41,18 +41,29 @@ class KDALayer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, aux_loss)``; with ``state`` (a dict) it continues from and updates it."""
+        q, k, v, g, beta, tail = self.features(self.qkv(x), x, None if state is None else state.get("conv"))
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
+                             output_final_state=state is not None, backend=self.cfg.kda_backend)
+        if state is not None:
+            state["conv"], state["S"] = tail, final
+        return self.output(o, x), x.new_zeros((), dtype=torch.float)
+
+    def features(self, qkv: torch.Tensor, x: torch.Tensor, tail: torch.Tensor | None = None):
+        """Pre-conv projections ``qkv [B, T, 3HK]`` of ``x [B, T, d]`` (and the last ``kda_conv - 1``
+        rows before them, ``tail``) -> ``(q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H],
+        new_tail)``: the inputs of the KDA op."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv, tail = self.conv(self.qkv(x), None if state is None else state.get("conv"))
+        qkv, tail = self.conv(qkv, tail)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.b_proj(x).float())
         f = self.f_proj(x).float().reshape(B, T, H, K) + self.dt_bias.float().reshape(H, K)
         g = self.cfg.kda_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * f)
-        o, final = kda_chunk(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
-                             output_final_state=state is not None, backend=self.cfg.kda_backend)
-        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, K)
-        y = self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, H * K))
-        if state is not None:
-            state["conv"], state["S"] = tail, final
-        return y, x.new_zeros((), dtype=torch.float)
+        return q, k, v, g, beta, tail
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """KDA op output ``o [B, T, H, K]`` -> ``[B, T, d]`` (gated head norm, output projection)."""
+        B, T, _ = x.shape
+        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, self.H, self.K)
+        return self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, self.H * self.K))

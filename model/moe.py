@@ -116,7 +116,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor):
         B, T, d = x.shape
-        E, k, chunk = self.cfg.n_experts, self.cfg.experts_per_token, self.cfg.moe_chunk
+        E, chunk = self.cfg.n_experts, self.cfg.moe_chunk
         outs, aux = [], x.new_zeros((), dtype=torch.float)
         load = torch.zeros(E, device=x.device)
         for b in range(B):
@@ -132,10 +132,16 @@ class MoE(nn.Module):
                 seq_load, seq_share = seq_load + cnt, seq_share + share
             load = load + seq_load
             if self.cfg.seq_aux_weight > 0 and T > 0:
-                f = seq_load * E / (k * T)
-                aux = aux + self.cfg.seq_aux_weight * (f * seq_share / T).sum() / B
+                aux = aux + self.balance_loss(seq_load, seq_share, T) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
         return y, aux, load.detach()
+
+    def balance_loss(self, load: torch.Tensor, share: torch.Tensor, T: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss of one sequence of ``T`` tokens from its routed
+        counts ``load [E]`` and summed normalised scores ``share [E]``."""
+        E, k = self.cfg.n_experts, self.cfg.experts_per_token
+        f = load * E / (k * T)
+        return self.cfg.seq_aux_weight * (f * share / T).sum()
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float | None = None) -> None:

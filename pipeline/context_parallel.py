@@ -1,0 +1,154 @@
+"""Context parallelism: ``P`` ranks share one sequence, each holding a contiguous shard of it.
+
+Applied to a built :class:`~megabase.model.HybridLM` from outside (before recompute and offload),
+as torchtitan applies its parallelisms; parameter names do not change, so checkpoints are the same
+at any world size. Per layer kind:
+
+* KDA: the recurrence ``S_t = A_t S_{t-1} + beta_t k_t v_t^T`` (``A_t = (I - beta_t k_t k_t^T)
+  Diag(exp g_t)``) is affine in the state, so a shard maps its incoming state ``S`` to
+  ``M S + C``. One pass from the state ``[0 | I]`` with values ``[v | 0]`` yields ``[C | M]`` (the
+  columns of the state evolve independently); the ranks all-gather their ``[C | M]``, each folds
+  the maps of the ranks before it into its exact incoming state and runs its shard from there. The
+  short conv's last ``kda_conv - 1`` inputs cross each border the same way.
+* DSA: index keys, keys and values are all-gathered; each rank runs the indexer (queries at its
+  offset, keys over the whole prefix), sparse attention and the sparse indexer KL as the
+  streaming scorer does. The KL is scaled by the shard's share of the queries.
+* MoE: routing stays local; the sequence-wise balance loss uses the sequence's global counts.
+
+Every exchange is an all-gather whose backward all-reduces the gradient and keeps the rank's own
+slice, so gradients flow to the rank that owns each activation. With per-rank objectives that sum
+to the global loss (see :mod:`megabase.pipeline.distributed`), summing parameter gradients over the
+group gives exactly the single-process gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megabase.kernels.kda import kda_chunk
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place in a context-parallel group of ``size`` ranks (``group``: its process
+    group; ``None`` is the default group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def shard(self, length: int) -> tuple[int, int]:
+        """``(start, end)`` of this rank's contiguous shard of a ``length``-token sequence."""
+        if length % self.size:
+            raise ValueError(f"a {length}-token sequence does not split into {self.size} equal "
+                             "context-parallel shards")
+        n = length // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of every rank, stacked: ``[P, *x.shape]``; differentiable (see module docs)."""
+        return _AllGather.apply(x.contiguous(), self)
+
+    def previous(self, x: torch.Tensor) -> torch.Tensor:
+        """The previous rank's ``x`` (zeros on rank 0)."""
+        every = self.gather(x)
+        # through the gathered tensor on every rank, rank 0 included, so all ranks join its backward
+        return torch.cat([torch.zeros_like(every[:1]), every[:-1]])[self.rank]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the group (no gradient)."""
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        parts = [torch.empty_like(x) for _ in range(cp.size)]
+        dist.all_gather(parts, x, group=cp.group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the buffer
+        dist.all_reduce(grad, group=ctx.cp.group)
+        return grad[ctx.cp.rank], None
+
+
+def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "auto"):
+    """KDA over a sequence sharded across ``cp``: this rank's ``(q, k [B,T,H,K], v [B,T,HV,V],
+    g [B,T,HV,K], beta [B,T,HV])`` -> its output ``o [B, T, HV, V]``, equal to the matching rows
+    of a single-process pass over the whole sequence (all ranks must call it together)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    eye = torch.eye(K, device=q.device).expand(B, HV, K, K)
+    start = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)
+    v_aug = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)
+    _, maps = kda_chunk(q, k, v_aug, g, beta, initial_state=start, output_final_state=True,
+                        backend=backend)
+    # folded in fp64: an fp32 fold rounds the incoming state differently from a sequential pass,
+    # enough to flip a near-tied DSA top-k choice downstream (measured: one query in 16k at P=4)
+    every = cp.gather(maps.double())  # [P, B, HV, K, V + K]: each rank's [C | M]
+    states = [torch.zeros_like(every[0, ..., :V])]
+    for i in range(cp.size - 1):
+        C, M = every[i].split([V, K], dim=-1)
+        states.append(M @ states[-1] + C)
+    incoming = torch.stack(states)[cp.rank].float()
+    o, _ = kda_chunk(q, k, v, g, beta, initial_state=incoming, backend=backend)
+    return o
+
+
+def _kda_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
+    if state is not None:
+        raise ValueError("streaming (state=...) is single-process; score with one rank")
+    qkv = layer.qkv(x)
+    width = layer.cfg.kda_conv - 1
+    tail = cp.previous(qkv[:, qkv.shape[1] - width :]) if width else None
+    q, k, v, g, beta, _ = layer.features(qkv, x, tail)
+    o = kda_context_parallel(q, k, v, g, beta, cp, backend=layer.cfg.kda_backend)
+    return layer.output(o, x), x.new_zeros((), dtype=torch.float)
+
+
+def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
+    if state is not None:
+        raise ValueError("streaming (state=...) is single-process; score with one rank")
+    B, T, _ = x.shape
+    q, k, v, qi, ki, wi = layer.project(x)
+    # only the prefix up to this rank's shard is used; each rank's own slice comes back from the
+    # gather so its gradient is summed with the other ranks' use of it
+    k, v, ki = (cp.gather(t)[: cp.rank + 1].transpose(0, 1).flatten(1, 2) for t in (k, v, ki))
+    o, aux = layer.attend(q, k, v, qi, ki, wi, offset=cp.rank * T)
+    return layer.o_proj(o.reshape(B, T, layer.HQ * layer.D)), aux / cp.size
+
+
+def _balance_loss(moe, cp: ContextParallel, load, share, T: int):
+    return type(moe).balance_loss(moe, cp.all_reduce(load), share, T * cp.size)
+
+
+def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -> torch.nn.Module:
+    """Make every layer of ``model`` (a HybridLM) run its shard of a sequence split across ``cp``.
+
+    Apply before :func:`~megabase.pipeline.memory.apply_recompute`. The model's forward then takes
+    this rank's shard ``[B, T / P]`` (see :meth:`ContextParallel.shard`); the DSA layers must be in
+    the sparse indexer mode (the dense warm-up attends over whole rows).
+    """
+    if cp is None or cp.size == 1:
+        return model
+    if model.cfg.indexer_mode != "sparse" and any(b.kind == "dsa" for b in model.blocks):
+        raise ValueError("context parallelism needs model.indexer_mode=sparse (the dense indexer "
+                         "warm-up is single-process)")
+    from megabase.model.moe import MoE
+
+    for block in model.blocks:
+        fn = _dsa_forward if block.kind == "dsa" else _kda_forward
+        block.mixer.forward = functools.partial(fn, block.mixer, cp)
+        if isinstance(block.ffn, MoE):
+            block.ffn.balance_loss = functools.partial(_balance_loss, block.ffn, cp)
+    model.context_parallel = cp
+    return model
