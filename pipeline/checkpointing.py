@@ -86,7 +86,9 @@ class PeriodicCheckpoint(pl.Callback):
     def save(self, trainer: pl.Trainer) -> Path:
         name = f"step-{trainer.global_step:06d}"
         path = self.dir / name
-        if (path / TRAINER_STATE).is_file():
+        # rank 0's view for every rank: a slower rank would see the files rank 0 just wrote and
+        # skip the collective save
+        if trainer.strategy.broadcast((path / TRAINER_STATE).is_file()):
             return path
         try:
             trainer.save_checkpoint(path, weights_only=False)
@@ -95,9 +97,11 @@ class PeriodicCheckpoint(pl.Callback):
             raise CheckpointWriteError(
                 f"could not write checkpoint {path}: {exc.strerror or exc}; "
                 f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from exc
-        write_atomic(self.dir / LATEST, (name + "\n").encode())
-        for old in sorted(p for p in self.dir.glob("step-*") if p.is_dir())[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if trainer.is_global_zero:  # the weights are the same on every rank; rank 0 writes them
+            write_atomic(self.dir / LATEST, (name + "\n").encode())
+            for old in sorted(p for p in self.dir.glob("step-*") if p.is_dir())[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        trainer.strategy.barrier("megabase.checkpoint")
         return path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

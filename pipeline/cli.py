@@ -100,8 +100,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
 
-    cfg = load_config(args.config, args.set or [])
-    summary.print_train(train(cfg, resume=args.resume, progress=not args.quiet))
+    sets = list(args.set or [])
+    for flag, key in (("devices", "devices"), ("num_nodes", "num_nodes"),
+                      ("context_parallel", "context_parallel")):
+        if getattr(args, flag) is not None:
+            sets.append(f"train.{key}={getattr(args, flag)}")
+    cfg = load_config(args.config, sets)
+    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    if result.is_global_zero:
+        summary.print_train(result)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -197,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model on a token store's windows (MLflow-tracked)")
     _config_flags(p)
     p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    p.add_argument("--devices", type=_positive_int, help="processes (GPUs, or CPU ranks) per node")
+    p.add_argument("--num-nodes", type=_positive_int, help="nodes (with torchrun or SLURM)")
+    p.add_argument("--context-parallel", type=_positive_int, metavar="P",
+                   help="ranks sharing each sequence (must divide devices * nodes)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("run", help="prepare -> windows -> train -> evaluate in one command "

@@ -65,6 +65,11 @@ class TrainConfig:
     offload: bool = False
     checkpoint_every: int = 10
     num_workers: int = 0
+    # scale-out (megabase train --devices/--num-nodes/--context-parallel): world = devices * num_nodes
+    # ranks, in groups of context_parallel sharing each sequence; batch_size is the global batch
+    devices: int = 1
+    num_nodes: int = 1
+    context_parallel: int = 1
 
 
 @dataclass
@@ -116,7 +121,8 @@ class RunConfig:
 CHOICES = {("train", "precision"): PRECISIONS, ("train", "recompute"): RECOMPUTE}
 POSITIVE = {("data", "window_length"), ("train", "steps"), ("train", "batch_size"),
             ("train", "grad_accum"), ("train", "checkpoint_every"), ("train", "seq_warmup_start"),
-            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment")}
+            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment"),
+            ("train", "devices"), ("train", "num_nodes"), ("train", "context_parallel")}
 
 
 def _convert(value, hint, where: str, source: str):
@@ -234,7 +240,24 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
     from megabase.model import get_preset
 
     get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error
+    _check_parallel(cfg, source)
     return cfg
+
+
+def _check_parallel(cfg: RunConfig, source: str) -> None:
+    t = cfg.train
+    world, cp = t.devices * t.num_nodes, t.context_parallel
+    if world % cp:
+        raise InputError(f"train.context_parallel = {cp} does not divide the {world} ranks "
+                         f"(train.devices * train.num_nodes)", source)
+    if t.batch_size % (world // cp):
+        raise InputError(f"train.batch_size = {t.batch_size} (the global batch) does not split over "
+                         f"{world // cp} data-parallel replicas", source)
+    lengths = [cfg.data.window_length] + ([t.seq_warmup_start] if t.seq_warmup else [])
+    for length in lengths:
+        if length % cp:
+            raise InputError(f"window length {length} does not split into {cp} equal "
+                             "context-parallel shards", source)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .config import RunConfig
+from .distributed import Layout, make_layout, objective, parallelize
 from .errors import TrainingDivergedError
 
 
@@ -40,33 +41,51 @@ class LitLM(pl.LightningModule):
     ``tokens_per_s``, ``peak_mem_gib``, ``moe_load_max_over_mean`` and ``moe_bias_norm``. The MoE
     balancing bias moves after every optimizer step from the loads of that step's batches.
     Raises :class:`TrainingDivergedError` on a non-finite loss before any update is applied.
+    Across several processes each rank trains on its part of the global batch (its data replica's
+    windows, its context shard of each) and every logged figure is the global one.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: RunConfig, log_path=None):
         super().__init__()
         self.model, self.cfg, self.log_path = model, cfg, log_path
+        self.layout, self._parallelized = Layout(), False
         self._load = None
         self._tokens = 0
         self._tick = time.perf_counter()
         self.history: list[dict] = []  # per optimizer step, for the final summary and tests
 
+    def configure_model(self):
+        """Runs on every rank once torch.distributed is up: the mesh, then the parallelisms and
+        memory knobs in their fixed order (:func:`megabase.pipeline.distributed.parallelize`)."""
+        if self._parallelized:
+            return
+        t = self.cfg.train
+        self.layout = make_layout(t.context_parallel, self.trainer.strategy.root_device.type)
+        parallelize(self.model, self.layout, t.recompute, t.offload)
+        self._parallelized = True
+
     def training_step(self, batch, batch_idx):
         length = window_length_at(self.global_step, self.cfg)
         ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
         mask = batch["loss_mask"][:, :length]
+        ids, targets, mask = self.layout.shard(ids, targets, mask)
         out = self.model(ids, targets, loss_mask=mask)
-        if not torch.isfinite(out.loss.detach()):
-            raise TrainingDivergedError(self.global_step + 1, float(out.loss))
+        step = objective(out, self.layout)
+        # the global loss across processes, so that every rank stops together
+        total = step.objective.detach() if self.layout.world == 1 else step.lm_loss + step.aux_loss
+        if not torch.isfinite(total):
+            raise TrainingDivergedError(self.global_step + 1, float(total))
         load = out.expert_load.detach()
         self._load = load if self._load is None else self._load + load
-        self._tokens += out.n_tokens
-        self._lm = out.lm_loss.detach() if batch_idx % self.cfg.train.grad_accum == 0 \
-            else self._lm + out.lm_loss.detach()
-        self._aux = out.aux_loss.detach()
-        return out.loss / self.cfg.train.grad_accum
+        self._tokens += step.n_tokens
+        self._lm = step.lm_loss if batch_idx % self.cfg.train.grad_accum == 0 \
+            else self._lm + step.lm_loss
+        self._aux = step.aux_loss
+        return step.objective / self.cfg.train.grad_accum
 
     def on_before_optimizer_step(self, optimizer):
         if self._load is not None and self._load.numel():
+            self._load = self.layout.sum(self._load)  # global counts: the bias stays the same everywhere
             self.model.update_moe_bias(self._load)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -84,7 +103,7 @@ class LitLM(pl.LightningModule):
             row["moe_load_max_over_mean"] = float((load.max(-1).values / load.mean(-1).clamp_min(1e-9)).max())
             row["moe_bias_norm"] = float(torch.stack([m.bias.norm() for m in self.model.moe_layers()]).norm())
         self.history.append(row)
-        if self.log_path is not None:  # one line per step, on disk before the next step starts
+        if self.log_path is not None and self.trainer.is_global_zero:  # on disk before the next step
             with open(self.log_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megabase.data.errors import InputError
+
 from .config import RunConfig
 
 
@@ -41,7 +43,6 @@ def ensure_store(cfg: RunConfig, progress: bool = True):
 def ensure_windows(cfg: RunConfig, store) -> Path:
     """``WORKDIR/windows-L.bed`` for the config's splits, rewritten only if its parameters changed."""
     from megabase.data import make_windows, windows_comment, write_bed
-    from megabase.data.errors import InputError
 
     from .train import windows_path
 
@@ -67,6 +68,9 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     from .checkpointing import latest_checkpoint, saved_step
     from .train import run_dir, train, windows_path
 
+    if cfg.train.devices * cfg.train.num_nodes > 1:
+        raise InputError("megabase run trains in one process; for several devices run `megabase "
+                         "train --devices N` and then `megabase evaluate` on its checkpoint")
     started = time.perf_counter()
     stages = {}
     store, prepared = ensure_store(cfg, progress)

@@ -31,22 +31,36 @@ class TrainingStream(torch.utils.data.Sampler[int]):
     resume (it would restart the stream and repeat data).
 
     Yields ``epoch * n + index``, as :class:`megabase.data.WindowDataset` expects.
+
+    With data parallelism (``batch``: the global batch, ``context_parallel``: ranks per sequence)
+    each data replica yields its consecutive ``batch / replicas`` draws of every global batch; the
+    replica is read from torch.distributed when iteration starts (after the trainer set it up).
     """
 
-    def __init__(self, n: int, seed: int, start: int):
+    def __init__(self, n: int, seed: int, start: int, batch: int = 1, context_parallel: int = 1):
         from megabase.data import ResumableSampler
 
         self.order = ResumableSampler(n, seed).order
-        self.n, self.start = n, start
+        self.n, self.start, self.batch, self.cp = n, start, batch, context_parallel
+
+    def _replica(self) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        return dist.get_rank() // self.cp, dist.get_world_size() // self.cp
 
     def __iter__(self):
+        replica, replicas = self._replica()
+        share = self.batch // replicas
         epoch, order = -1, None
         k = self.start
         while True:
-            if k // self.n != epoch:
-                epoch = k // self.n
-                order = self.order(epoch)
-            yield epoch * self.n + int(order[k % self.n])
+            if (k % self.batch) // share == replica:
+                if k // self.n != epoch:
+                    epoch = k // self.n
+                    order = self.order(epoch)
+                yield epoch * self.n + int(order[k % self.n])
             k += 1
 
 
@@ -60,6 +74,7 @@ class TrainResult:
     run_id: str
     seconds: float
     resumed_from: int
+    is_global_zero: bool = True
 
 
 def run_dir(cfg: RunConfig) -> Path:
@@ -93,8 +108,10 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     from .checkpointing import (
         DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, trainer_state,
     )
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from .distributed import trainer_kwargs
     from .lit import LitLM
-    from .memory import apply_offload, apply_recompute
     from .stages import ensure_windows
 
     started = time.perf_counter()
@@ -113,37 +130,40 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         check_data_position(ckpt, state, start_step * per_step, cfg.train.seed)
         run_id = read_checkpoint_config(ckpt).get("mlflow", {}).get("run_id")
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.yaml", dump_config(cfg).encode())
+    zero = rank_zero_only.rank == 0  # only rank 0 writes files and talks to MLflow
+    if zero:
+        write_atomic(out / "config.yaml", dump_config(cfg).encode())
 
     uri = resolve_tracking_uri(cfg.tracking_uri())
     quiet_libraries()
     from mlflow.tracking import MlflowClient
 
-    experiment_id(MlflowClient(uri), uri, cfg.tracking.experiment)  # artifacts beside the db
-    logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
-                          run_name=cfg.tracking.run_name or cfg.name, tracking_uri=uri,
-                          run_id=run_id, tags={"megabase.kind": "train"})
-    if run_id is None:
-        logger.log_hyperparams(flat_params(cfg))
-    run_id = logger.run_id
+    logger = False
+    if zero:
+        experiment_id(MlflowClient(uri), uri, cfg.tracking.experiment)  # artifacts beside the db
+        logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
+                              run_name=cfg.tracking.run_name or cfg.name, tracking_uri=uri,
+                              run_id=run_id, tags={"megabase.kind": "train"})
+        if run_id is None:
+            logger.log_hyperparams(flat_params(cfg))
+        run_id = logger.run_id
 
     t = cfg.train
     pl.seed_everything(t.seed, workers=True, verbose=False)
     model = build_model(cfg.model.preset, **cfg.model.overrides)
-    apply_recompute(model, t.recompute)
-    if t.offload:
-        apply_offload(model)
-    lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")
+    lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")  # parallelized in configure_model
     dataset = WindowDataset(store, bed, split="train", rc_prob=cfg.data.rc_prob, seed=t.seed)
-    stream = TrainingStream(len(dataset), t.seed, start_step * per_step)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size, sampler=stream,
-                                         num_workers=t.num_workers, drop_last=True)
+    replicas = t.devices * t.num_nodes // t.context_parallel
+    stream = TrainingStream(len(dataset), t.seed, start_step * per_step, t.batch_size,
+                            t.context_parallel)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size // replicas,
+                                         sampler=stream, num_workers=t.num_workers, drop_last=True)
     extra = {"window_length": cfg.data.window_length, "run": cfg.name,
              "mlflow": {"tracking_uri": uri, "run_id": run_id},
              "data": {"store": str(store.path), "windows": str(bed)}}
     saver = PeriodicCheckpoint(out, t.checkpoint_every)
     trainer = pl.Trainer(
-        accelerator="auto", devices=1, max_steps=t.steps, max_epochs=-1,
+        **trainer_kwargs(t.devices, t.num_nodes), max_steps=t.steps, max_epochs=-1,
         precision="bf16-mixed" if t.precision == "bf16" else "32-true",
         accumulate_grad_batches=t.grad_accum, gradient_clip_val=t.grad_clip or None,
         logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -160,6 +180,9 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
             trainer.fit(lit, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
     final = latest_checkpoint(out)
     steps = trainer.global_step or start_step  # the final checkpoint's step
+    if not trainer.is_global_zero:
+        return TrainResult(out, final, steps, lit.history, uri, "", time.perf_counter() - started,
+                           start_step, is_global_zero=False)
     client = MlflowClient(uri)
     client.set_tag(run_id, "megabase.checkpoint", str(final))
     client.log_dict(run_id, {"checkpoint": str(final), "step": steps}, "checkpoint.json")
