@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
-from megabase.kernels.kda import kda_chunk
+from megabase.kernels.kda import kda_chunk, kda_final_state
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,11 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     eye = torch.eye(K, device=q.device).expand(B, HV, K, K)
     start = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)
     v_aug = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)
-    _, maps = kda_chunk(q, k, v_aug, g, beta, initial_state=start, output_final_state=True,
-                        backend=backend)
+    args = (q, k, v_aug, g, beta, None, start, backend)
+    # checkpointed: its intermediates are rebuilt when its gradient is due, after the main pass's
+    # backward has freed theirs, so the two passes never hold their activations at once
+    maps = checkpoint(kda_final_state, *args, use_reentrant=False) if torch.is_grad_enabled() \
+        else kda_final_state(*args)
     # folded in fp64: an fp32 fold rounds the incoming state differently from a sequential pass,
     # enough to flip a near-tied DSA top-k choice downstream (measured: one query in 16k at P=4)
     every = cp.gather(maps.double())  # [P, B, HV, K, V + K]: each rank's [C | M]

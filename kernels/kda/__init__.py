@@ -25,6 +25,16 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
+def kda_final_state(q, k, v, g, beta, scale=None, initial_state=None, backend: str = "auto"):
+    """The final state ``[B, HV, K, V]`` (fp32) alone, as :func:`kda_chunk` would return it; the
+    PyTorch path skips the outputs (fla computes and drops them)."""
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
+    if backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available()):
+        return kda_chunk(q, k, v, g, beta, scale, initial_state, True, backend)[1]
+    return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, True, output=False)[1]
+
+
 def _fla_available() -> bool:
     import importlib.util
 
@@ -35,4 +45,4 @@ def _fla_available() -> bool:
         return False
 
 
-__all__ = ["kda_chunk", "kda_chunk_torch", "kda_recurrent"]
+__all__ = ["kda_chunk", "kda_chunk_torch", "kda_final_state", "kda_recurrent"]

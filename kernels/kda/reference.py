@@ -106,20 +106,21 @@ def _decay_products(a, b, gam, inclusive: bool):
     return full.transpose(-3, -2).reshape(*a.shape[:-1], C)
 
 
-def _segment(q, k, v, g, beta, state, chunk: int):
-    """One segment ``[B, HV, Ts, *]`` (Ts a multiple of ``FRAME * chunk``); returns (o, state)."""
+def _segment(q, k, v, g, beta, state, chunk: int, output: bool = True):
+    """One segment ``[B, HV, Ts, *]`` (Ts a multiple of ``FRAME * chunk``); returns (o, state),
+    ``o`` None without ``output``."""
     outs = []
     step = FRAME * chunk
     # split, not slices: a slice's backward zero-fills the whole input once per frame
     for frame in zip(*(x.split(step, dim=2) for x in (q, k, v, g, beta))):
         # contiguous: strides of a slice depend on T, and kernels pick code paths by stride
-        o, state = _frame(*(x.contiguous() for x in frame), state.contiguous(), chunk)
+        o, state = _frame(*(x.contiguous() for x in frame), state.contiguous(), chunk, output)
         outs.append(o)
-    return torch.cat(outs, dim=2), state
+    return (torch.cat(outs, dim=2) if output else None), state
 
 
-def _frame(q, k, v, g, beta, state, chunk: int):
-    """``FRAME`` chunks ``[B, HV, FRAME * chunk, *]`` from ``state``; returns (o, state)."""
+def _frame(q, k, v, g, beta, state, chunk: int, output: bool = True):
+    """``FRAME`` chunks ``[B, HV, FRAME * chunk, *]`` from ``state``; returns (o or None, state)."""
     B, HV, Ts, K = q.shape
     n = Ts // chunk
     q, k, v, g = (x.reshape(B, HV, n, chunk, x.shape[-1]) for x in (q, k, v, g))
@@ -141,6 +142,8 @@ def _frame(q, k, v, g, beta, state, chunk: int):
     for dec, inj in zip(decay.unbind(2), inject.unbind(2)):
         states.append(state)
         state = torch.baddbmm(inj.flatten(0, 1), dec.flatten(0, 1), state.flatten(0, 1)).view_as(state)
+    if not output:
+        return None, state
     S = torch.stack(states, dim=2)
     Aqk = _decay_products(q, k, gam, inclusive=True)
     o = (q * gam.float().exp()) @ S + Aqk @ (U - W @ S)
@@ -150,9 +153,10 @@ def _frame(q, k, v, g, beta, state, chunk: int):
 @full_precision
 def kda_chunk(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    chunk_size: int = CHUNK, segment: int = SEGMENT,
+    chunk_size: int = CHUNK, segment: int | None = None, output: bool = True,
 ):
     """Chunkwise KDA, same contract as :func:`kda_recurrent`; any T, autograd-correct.
+    With ``output=False`` only the final state is computed (``o`` is None).
 
     Work is done in frames of ``FRAME`` chunks (T is zero-padded to whole frames): every batched
     product has one shape whatever T is, so an output is bit-for-bit independent of how much
@@ -171,13 +175,16 @@ def kda_chunk(
     if initial_state is not None:
         state = state + initial_state.float()
     frame = FRAME * chunk_size
+    segment = SEGMENT if segment is None else segment
     seg = max(frame, segment - segment % frame)
     outs = []
     for args in zip(*(x.split(seg, dim=2) for x in (q, k, v, g, beta))) if T + pad else ():
         if torch.is_grad_enabled() and T + pad > seg:
-            o, state = checkpoint(_segment, *args, state, chunk_size, use_reentrant=False)
+            o, state = checkpoint(_segment, *args, state, chunk_size, output, use_reentrant=False)
         else:
-            o, state = _segment(*args, state, chunk_size)
+            o, state = _segment(*args, state, chunk_size, output)
         outs.append(o)
+    if not output:
+        return None, (state if output_final_state else None)
     o = torch.cat(outs, dim=2)[:, :, :T] if outs else v.new_zeros(B, HV, 0, V)
     return o.transpose(1, 2).to(dtype), (state if output_final_state else None)

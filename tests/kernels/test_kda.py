@@ -88,3 +88,20 @@ def test_empty_and_unknown_backend():
     assert o.shape == (1, 0, 1, 8) and torch.equal(s, xs[5].detach())
     with pytest.raises(ValueError, match="backend"):
         kda_chunk(*xs[:5], backend="cuda-magic")
+
+
+@pytest.mark.parametrize("T,segment", [(157, 32768), (4200, 64 * 64)])
+def test_final_state_alone_equals_the_full_pass(T, segment, monkeypatch):
+    """kda_final_state skips the outputs: same state and gradients as kda_chunk's final state
+    (one segment, and several checkpointed segments)."""
+    from megabase.kernels.kda import kda_final_state, reference
+
+    monkeypatch.setattr(reference, "SEGMENT", segment)
+    xs = make(1, T, 2, 2, 16, 8, seed=3)
+    _, s_full = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
+    g_full = torch.autograd.grad(s_full.square().sum(), xs[1:])  # q reads the state, never writes it
+    s_alone = kda_final_state(*xs[:5], initial_state=xs[5], backend="torch")
+    g_alone = torch.autograd.grad(s_alone.square().sum(), xs[1:])
+    assert_close(s_alone, s_full, "state")
+    for a, b in zip(g_alone, g_full):
+        assert_close(a, b, "grad")

@@ -16,8 +16,8 @@ from tests.kernels.tolerances import rel_rms
 from tests.pipeline.test_train import tiny
 
 
-def _run(workdir, store, name, *flags):
-    sets = tiny(workdir, store, 3, name=name, **{"data.window_length": "4096",
+def _run(workdir, store, name, *flags, steps=3):
+    sets = tiny(workdir, store, steps, name=name, **{"data.window_length": "4096",
                                                  "train.batch_size": "2",
                                                  "train.warmup_steps": "1"})
     return ["train", *sets, "--quiet", *flags]
@@ -64,6 +64,11 @@ def test_dp2_cp2_matches_one_process_and_its_checkpoint_evaluates_alone(bundled_
     report = json.loads((out / "report.json").read_text())
     assert report["overall"]["n_tokens"] > 8000
     assert 1.0 < report["overall"]["bits_per_base"] < 3.0
+    # the checkpoint is the same at any world size: one process continues the four-rank run
+    assert main([*_run(tmp_path, bundled_store, "four", steps=5), "--resume"]) == 0
+    resumed = read_train_log(tmp_path / "runs" / "four")
+    assert sorted(resumed) == [1, 2, 3, 4, 5] and resumed[3] == four[3]
+    assert resumed[5]["loss"] < resumed[1]["loss"]
 
 
 def test_each_data_replica_takes_its_part_of_every_global_batch(monkeypatch):

@@ -1,0 +1,98 @@
+"""Context parallelism on CPU: peak memory per rank and step time at P = 1 and P = 2.
+
+One forward + backward of ``cpu-small`` (recompute=layer, the setting that lets a 256k sequence fit
+this machine) over ``--length`` real bases of U. maydis chr01, in ``P`` gloo processes that each
+hold ``length / P`` of the sequence. Each configuration runs in fresh processes, one after the
+other, so a rank's peak RSS is its own; the P ranks share this machine's cores (threads per rank =
+cores / P), so step time shows the cost of the exchanges and of the longer key prefixes of later
+ranks, not a speed-up. Prints the ratio memory(P=2) / memory(P=1) per rank (target <= 0.6).
+
+    python benchmarks/bench_cp.py                  # 262,144 bases (~1 h on 2 cores)
+    python benchmarks/bench_cp.py --length 65536   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GENOMES, machine  # noqa: E402
+
+
+def _rank(rank: int, world: int, tokens, init: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megabase.model import build_model
+    from megabase.pipeline.distributed import make_layout, objective, parallelize
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    layout = make_layout(context_parallel=world)
+    torch.manual_seed(0)
+    model = parallelize(build_model("cpu-small"), layout, recompute="layer")
+    ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
+    start = time.perf_counter()
+    step = objective(model(ids, targets), layout)
+    step.objective.backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    results[rank] = {"seconds": seconds, "peak_gib": peak, "loss": float(step.lm_loss)}
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def measure(tokens, world: int) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_rank, args=(world, tokens, f"file://{tmp}/rendezvous", results), nprocs=world)
+        return [results[r] for r in range(world)]
+
+
+def real_tokens(length: int):
+    import numpy as np
+    import torch
+
+    from megabase.data import TokenStore, prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(GENOMES / "umaydis.fa.gz", Path(tmp) / "store", chroms=["chr01"], progress=False)
+        tokens, _ = TokenStore(Path(tmp) / "store").fetch("chr01", 100_000, 100_000 + length + 1)
+    return torch.from_numpy(tokens.astype(np.int64))[None]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=262_144)
+    parser.add_argument("--ranks", default="1,2", help="context-parallel sizes to run")
+    args = parser.parse_args()
+    tokens = real_tokens(args.length)
+    print(f"context parallelism, cpu-small, recompute=layer, {args.length:,} bases; {machine()}",
+          flush=True)
+    rows = {}
+    for world in (int(p) for p in args.ranks.split(",")):
+        ranks = measure(tokens, world)
+        rows[world] = ranks
+        for r, res in enumerate(ranks):
+            print(f"P={world} rank {r}: step {res['seconds']:.1f} s, peak RSS "
+                  f"{res['peak_gib']:.2f} GiB, loss {res['loss']:.6f}", flush=True)
+    if 1 in rows and 2 in rows:
+        one = rows[1][0]
+        worst = max(r["peak_gib"] for r in rows[2])
+        slow = max(r["seconds"] for r in rows[2])
+        print(f"memory per rank P=2 / P=1: {worst / one['peak_gib']:.2f}x (target <= 0.6); "
+              f"step time P=2 / P=1: {slow / one['seconds']:.2f}x; loss difference "
+              f"{abs(rows[2][0]['loss'] - one['loss']):.2e}")
+
+
+if __name__ == "__main__":
+    main()
