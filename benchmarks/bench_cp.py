@@ -9,6 +9,7 @@ ranks, not a speed-up. Prints the ratio memory(P=2) / memory(P=1) per rank (targ
 
     python benchmarks/bench_cp.py                  # 262,144 bases (~1 h on 2 cores)
     python benchmarks/bench_cp.py --length 65536   # quicker
+    python benchmarks/bench_cp.py --trim-heap      # with train.trim_heap in every rank
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GENOMES, machine  # noqa: E402
 
 
-def _rank(rank: int, world: int, tokens, init: str, results) -> None:
+def _rank(rank: int, world: int, tokens, init: str, results, trim_heap: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -37,7 +38,7 @@ def _rank(rank: int, world: int, tokens, init: str, results) -> None:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     layout = make_layout(context_parallel=world)
     torch.manual_seed(0)
-    model = parallelize(build_model("cpu-small"), layout, recompute="layer")
+    model = parallelize(build_model("cpu-small"), layout, recompute="layer", trim_heap=trim_heap)
     ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
     start = time.perf_counter()
     step = objective(model(ids, targets), layout)
@@ -49,12 +50,13 @@ def _rank(rank: int, world: int, tokens, init: str, results) -> None:
         dist.destroy_process_group()
 
 
-def measure(tokens, world: int) -> list[dict]:
+def measure(tokens, world: int, trim_heap: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         results = mp.Manager().dict()
-        mp.spawn(_rank, args=(world, tokens, f"file://{tmp}/rendezvous", results), nprocs=world)
+        mp.spawn(_rank, args=(world, tokens, f"file://{tmp}/rendezvous", results, trim_heap),
+                 nprocs=world)
         return [results[r] for r in range(world)]
 
 
@@ -74,13 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=262_144)
     parser.add_argument("--ranks", default="1,2", help="context-parallel sizes to run")
+    parser.add_argument("--trim-heap", action="store_true", help="train.trim_heap in every rank")
     args = parser.parse_args()
     tokens = real_tokens(args.length)
-    print(f"context parallelism, cpu-small, recompute=layer, {args.length:,} bases; {machine()}",
-          flush=True)
+    print(f"context parallelism, cpu-small, recompute=layer, trim_heap={args.trim_heap}, "
+          f"{args.length:,} bases; {machine()}", flush=True)
     rows = {}
     for world in (int(p) for p in args.ranks.split(",")):
-        ranks = measure(tokens, world)
+        ranks = measure(tokens, world, args.trim_heap)
         rows[world] = ranks
         for r, res in enumerate(ranks):
             print(f"P={world} rank {r}: step {res['seconds']:.1f} s, peak RSS "

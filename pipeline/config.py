@@ -63,6 +63,7 @@ class TrainConfig:
     seq_warmup_steps: int = 8  # optimizer steps per length
     recompute: str = "none"
     offload: bool = False
+    trim_heap: bool = False  # CPU: return freed heap to the OS between blocks (lower peak RSS)
     checkpoint_every: int = 10
     num_workers: int = 0
     # scale-out (megabase train --devices/--num-nodes/--context-parallel): world = devices * num_nodes

@@ -76,15 +76,16 @@ def make_layout(context_parallel: int = 1, device_type: str = "cpu") -> Layout:
 
 
 def parallelize(model: torch.nn.Module, layout: Layout, recompute: str = "none",
-                offload: bool = False) -> torch.nn.Module:
-    """Context parallelism, then activation recompute, then offload: the fixed order (each wraps
-    what the previous one installed)."""
-    from .memory import apply_offload, apply_recompute
+                offload: bool = False, trim_heap: bool = False) -> torch.nn.Module:
+    """Context parallelism, then activation recompute, then offload, then heap trimming: the fixed
+    order (each wraps what the previous one installed)."""
+    from .memory import apply_heap_trim, apply_offload, apply_recompute
 
     apply_context_parallel(model, layout.cp)
     apply_recompute(model, recompute)
     if offload:
         apply_offload(model)
+    apply_heap_trim(model, trim_heap)
     return model
 
 

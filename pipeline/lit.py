@@ -61,7 +61,7 @@ class LitLM(pl.LightningModule):
             return
         t = self.cfg.train
         self.layout = make_layout(t.context_parallel, self.trainer.strategy.root_device.type)
-        parallelize(self.model, self.layout, t.recompute, t.offload)
+        parallelize(self.model, self.layout, t.recompute, t.offload, t.trim_heap)
         self._parallelized = True
 
     def training_step(self, batch, batch_idx):

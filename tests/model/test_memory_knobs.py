@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megabase.model import build_model
-from megabase.pipeline.memory import apply_offload, apply_recompute
+from megabase.pipeline.memory import apply_heap_trim, apply_offload, apply_recompute
 from tests.kernels.tolerances import assert_close, rel_rms
 
 
@@ -29,6 +29,7 @@ def baseline(real_tokens):
     ("recompute=selective", [lambda m: apply_recompute(m, "selective")], {}),
     ("offload", [apply_offload], {}),
     ("recompute+offload", [lambda m: apply_recompute(m, "layer"), apply_offload], {}),
+    ("trim_heap", [apply_heap_trim], {}),
     ("moe_chunk", [], {"moe_chunk": 1024}),
     ("loss_chunk", [], {"loss_chunk": 1024}),
     ("dsa_block", [], {"dsa_block": 32}),
@@ -65,3 +66,10 @@ def test_recompute_keeps_the_dsa_selection_instead_of_recomputing_it(real_tokens
     x = real_tokens[:, :1_501]
     model(x[:, :-1], x[:, 1:]).loss.backward()
     assert len(calls) == 1  # one DSA layer, one selection pass for forward and backward
+
+
+def test_heap_trim_hooks_every_block_once():
+    model = build_model("debug")
+    apply_heap_trim(apply_heap_trim(model))
+    assert all(len(b._forward_hooks) == 1 and len(b._backward_hooks) == 1 for b in model.blocks)
+
