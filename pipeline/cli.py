@@ -101,10 +101,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .train import train
 
     sets = list(args.set or [])
-    for flag, key in (("devices", "devices"), ("num_nodes", "num_nodes"),
-                      ("context_parallel", "context_parallel")):
-        if getattr(args, flag) is not None:
-            sets.append(f"train.{key}={getattr(args, flag)}")
+    for key in ("devices", "num_nodes", "context_parallel"):
+        if getattr(args, key) is not None:
+            sets.append(f"train.{key}={getattr(args, key)}")
     cfg = load_config(args.config, sets)
     result = train(cfg, resume=args.resume, progress=not args.quiet)
     if result.is_global_zero:

@@ -62,9 +62,14 @@ class ContextParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the group (no gradient)."""
-        x = x.detach().clone()
-        dist.all_reduce(x, group=self.group)
-        return x
+        return summed(x, self.group)
+
+
+def summed(x: torch.Tensor, group=None) -> torch.Tensor:
+    """A detached copy of ``x`` summed over ``group`` (the default group: every rank)."""
+    x = x.detach().clone()
+    dist.all_reduce(x, group=group)
+    return x
 
 
 class _AllGather(torch.autograd.Function):
@@ -124,9 +129,13 @@ def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
         raise ValueError("streaming (state=...) is single-process; score with one rank")
     B, T, _ = x.shape
     q, k, v, qi, ki, wi = layer.project(x)
-    # only the prefix up to this rank's shard is used; each rank's own slice comes back from the
-    # gather so its gradient is summed with the other ranks' use of it
-    k, v, ki = (cp.gather(t)[: cp.rank + 1].transpose(0, 1).flatten(1, 2) for t in (k, v, ki))
+    # one exchange for keys, values and index keys; only the prefix up to this rank's shard is
+    # used, its own slice included, so its gradient is summed with the other ranks' use of it
+    sizes = [k[0, 0].numel(), v[0, 0].numel(), ki[0, 0].numel()]
+    every = cp.gather(torch.cat([k.flatten(2), v.flatten(2), ki], dim=-1))
+    prefix = every[: cp.rank + 1].transpose(0, 1).flatten(1, 2)  # [B, (rank + 1) * T, ...]
+    k, v, ki = prefix.split(sizes, dim=-1)
+    k, v = k.unflatten(-1, (layer.H, layer.D)), v.unflatten(-1, (layer.H, layer.D))
     o, aux = layer.attend(q, k, v, qi, ki, wi, offset=cp.rank * T)
     return layer.o_proj(o.reshape(B, T, layer.HQ * layer.D)), aux / cp.size
 

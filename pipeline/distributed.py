@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .context_parallel import ContextParallel, apply_context_parallel
+from .context_parallel import ContextParallel, apply_context_parallel, summed
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,7 @@ class Layout:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over every rank (no gradient)."""
-        if self.world == 1:
-            return x.detach()
-        x = x.detach().clone()
-        dist.all_reduce(x)
-        return x
+        return x.detach() if self.world == 1 else summed(x)
 
 
 def make_layout(context_parallel: int = 1, device_type: str = "cpu") -> Layout:

@@ -98,7 +98,7 @@ def apply_heap_trim(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Mo
         return model
 
     def hook(module, *args):
-        if not any(p.is_cuda for p in module.parameters()):
+        if not next(module.parameters()).is_cuda:  # read per call: the trainer moves the model later
             trim(0)
 
     for block in model.blocks:

@@ -100,6 +100,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     its latest checkpoint (same per-step losses as an uninterrupted run on CPU in fp32)."""
     from lightning.pytorch.callbacks import TQDMProgressBar
     from lightning.pytorch.loggers import MLFlowLogger
+    from lightning.pytorch.utilities import rank_zero_only
 
     from megabase.data import WindowDataset
     from megabase.eval.tracking import experiment_id, quiet_libraries, resolve_tracking_uri
@@ -108,8 +109,6 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     from .checkpointing import (
         DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, trainer_state,
     )
-    from lightning.pytorch.utilities import rank_zero_only
-
     from .distributed import trainer_kwargs
     from .lit import LitLM
     from .stages import ensure_windows

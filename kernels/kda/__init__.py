@@ -14,9 +14,7 @@ from .reference import kda_recurrent
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               backend: str = "auto"):
     """Chunkwise KDA: ``(q, k [B,T,H,K], v [B,T,HV,V], g [B,T,HV,K], beta [B,T,HV]) -> (o, state)``."""
-    if backend not in ("auto", "torch", "fla"):
-        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
-    if backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available()):
+    if _use_fla(backend, q):
         from fla.ops.kda import chunk_kda
 
         o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -28,11 +26,16 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 def kda_final_state(q, k, v, g, beta, scale=None, initial_state=None, backend: str = "auto"):
     """The final state ``[B, HV, K, V]`` (fp32) alone, as :func:`kda_chunk` would return it; the
     PyTorch path skips the outputs (fla computes and drops them)."""
-    if backend not in ("auto", "torch", "fla"):
-        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
-    if backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available()):
+    if _use_fla(backend, q):
         return kda_chunk(q, k, v, g, beta, scale, initial_state, True, backend)[1]
     return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, True, output=False)[1]
+
+
+def _use_fla(backend: str, q) -> bool:
+    """Whether ``backend`` runs on fla's kernels for tensors like ``q`` (a clear error if unknown)."""
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
+    return backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available())
 
 
 def _fla_available() -> bool:

@@ -30,21 +30,18 @@ STACKS = {  # debug preset: 4 layers of d_model 32, MoE FFNs, DSA top-k 32
 
 
 def _loss_and_grads(model, ids, targets, layout=None):
+    """``(loss, gradients)``: of one process, or summed over the ranks of ``layout``."""
     if layout is None:
         out = model(ids, targets)
-        loss = out.loss
-    else:
-        ids, targets = layout.shard(ids, targets)
-        step = objective(model(ids, targets), layout)
-        loss = step.lm_loss + step.aux_loss
-        (step.objective / layout.world).backward()
-    if layout is None:
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if layout is not None:
-        for g in grads.values():
-            dist.all_reduce(g)
-    return float(loss), grads
+        out.loss.backward()
+        return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+    ids, targets = layout.shard(ids, targets)
+    step = objective(model(ids, targets), layout)
+    (step.objective / layout.world).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    return float(step.lm_loss + step.aux_loss), grads
 
 
 def _worker(rank: int, world: int, tokens, init: str, results):
