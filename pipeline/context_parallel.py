@@ -8,7 +8,8 @@ at any world size. Per layer kind:
   Diag(exp g_t)``) is affine in the state, so a shard maps its incoming state ``S`` to
   ``M S + C``. One pass from the state ``[0 | I]`` with values ``[v | 0]`` yields ``[C | M]`` (the
   columns of the state evolve independently); the ranks all-gather their ``[C | M]``, each folds
-  the maps of the ranks before it into its exact incoming state and runs its shard from there. The
+  the maps of the ranks before it into its exact incoming state and runs its shard from there.
+  Rank 0 starts from zero, so it computes ``C`` alone; no one uses the last rank's map. The
   short conv's last ``kda_conv - 1`` inputs cross each border the same way.
 * DSA: index keys, keys and values are all-gathered; each rank runs the indexer (queries at its
   offset, keys over the whole prefix), sparse attention and the sparse indexer KL as the
@@ -93,14 +94,7 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     of a single-process pass over the whole sequence (all ranks must call it together)."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    eye = torch.eye(K, device=q.device).expand(B, HV, K, K)
-    start = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)
-    v_aug = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)
-    args = (q, k, v_aug, g, beta, None, start, backend)
-    # checkpointed: its intermediates are rebuilt when its gradient is due, after the main pass's
-    # backward has freed theirs, so the two passes never hold their activations at once
-    maps = checkpoint(kda_final_state, *args, use_reentrant=False) if torch.is_grad_enabled() \
-        else kda_final_state(*args)
+    maps = _shard_map(q, k, v, g, beta, cp, backend)
     # folded in fp64: an fp32 fold rounds the incoming state differently from a sequential pass,
     # enough to flip a near-tied DSA top-k choice downstream (measured: one query in 16k at P=4)
     every = cp.gather(maps.double())  # [P, B, HV, K, V + K]: each rank's [C | M]
@@ -111,6 +105,31 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     incoming = torch.stack(states)[cp.rank].float()
     o, _ = kda_chunk(q, k, v, g, beta, initial_state=incoming, backend=backend)
     return o
+
+
+def _shard_map(q, k, v, g, beta, cp: ContextParallel, backend: str) -> torch.Tensor:
+    """This shard's ``[C | M]`` (``[B, HV, K, V + K]``, fp32), as far as later ranks use it: rank 0
+    starts from zero, so its ``M`` is never used (only ``C``, a pass at the values' width); the
+    last rank's map is used by no one (zeros)."""
+    B, _, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if cp.rank == cp.size - 1:
+        # a leaf that wants a gradient keeps this rank in the exchange's backward (a collective)
+        return q.new_zeros(B, HV, K, V + K, dtype=torch.float).requires_grad_(torch.is_grad_enabled())
+    if cp.rank == 0:
+        start, values = None, v
+    else:
+        eye = torch.eye(K, device=q.device).expand(B, HV, K, K)
+        start = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)
+        values = torch.cat([v, v.new_zeros(*v.shape[:3], K)], dim=-1)
+    args = (q, k, values, g, beta, None, start, backend)
+    # checkpointed: its intermediates are rebuilt when its gradient is due, after the main pass's
+    # backward has freed theirs, so the two passes never hold their activations at once
+    state = checkpoint(kda_final_state, *args, use_reentrant=False) if torch.is_grad_enabled() \
+        else kda_final_state(*args)
+    if cp.rank == 0:
+        state = torch.cat([state, state.new_zeros(B, HV, K, K)], dim=-1)
+    return state
 
 
 def _kda_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):

@@ -97,6 +97,7 @@ def test_final_state_alone_equals_the_full_pass(T, segment, monkeypatch):
     from megabase.kernels.kda import kda_final_state, reference
 
     monkeypatch.setattr(reference, "SEGMENT", segment)
+    monkeypatch.setattr(reference, "WHOLE", min(reference.WHOLE, segment))
     xs = make(1, T, 2, 2, 16, 8, seed=3)
     _, s_full = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
     g_full = torch.autograd.grad(s_full.square().sum(), xs[1:])  # q reads the state, never writes it
