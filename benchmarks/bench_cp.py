@@ -40,14 +40,22 @@ def _rank(rank: int, world: int, tokens, init: str, results, trim_heap: bool) ->
     torch.manual_seed(0)
     model = parallelize(build_model("cpu-small"), layout, recompute="layer", trim_heap=trim_heap)
     ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
+    before = _rss_gib()
     start = time.perf_counter()
     step = objective(model(ids, targets), layout)
     step.objective.backward()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    results[rank] = {"seconds": seconds, "peak_gib": peak, "loss": float(step.lm_loss)}
+    results[rank] = {"seconds": seconds, "peak_gib": peak, "before_gib": before,
+                     "loss": float(step.lm_loss)}
     if world > 1:
         dist.destroy_process_group()
+
+
+def _rss_gib() -> float:
+    """This process's resident memory now (Linux ``/proc``), GiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def measure(tokens, world: int, trim_heap: bool = False) -> list[dict]:
@@ -87,7 +95,7 @@ def main() -> None:
         rows[world] = ranks
         for r, res in enumerate(ranks):
             print(f"P={world} rank {r}: step {res['seconds']:.1f} s, peak RSS "
-                  f"{res['peak_gib']:.2f} GiB, loss {res['loss']:.6f}", flush=True)
+                  f"{res['peak_gib']:.2f} GiB ({res['before_gib']:.2f} GiB before the step), loss {res['loss']:.6f}", flush=True)
     if 1 in rows and 2 in rows:
         one = rows[1][0]
         worst = max(r["peak_gib"] for r in rows[2])

@@ -92,8 +92,7 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     """KDA over a sequence sharded across ``cp``: this rank's ``(q, k [B,T,H,K], v [B,T,HV,V],
     g [B,T,HV,K], beta [B,T,HV])`` -> its output ``o [B, T, HV, V]``, equal to the matching rows
     of a single-process pass over the whole sequence (all ranks must call it together)."""
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    K, V = q.shape[-1], v.shape[-1]
     maps = _shard_map(q, k, v, g, beta, cp, backend)
     # folded in fp64: an fp32 fold rounds the incoming state differently from a sequential pass,
     # enough to flip a near-tied DSA top-k choice downstream (measured: one query in 16k at P=4)
