@@ -16,9 +16,8 @@ Peak RSS on CPU also counts what glibc's heap keeps after frees, which moves by 
 between identical runs. ``--live`` measures the peak of live tensor bytes instead (what a GPU's
 ``max_memory_allocated`` reports), deterministic: each rank's work runs in this one process, one
 rank after the other, with every exchange replaced by a local stand-in of the same shape (the
-rank's own tensor in every slot), under the profiler's allocation tracking. Its times are not
-step times (the profiler slows the step), and the profiler's own records take memory: at 262,144
-bases the one-process P = 1 run was killed on a 24 GiB machine; 131,072 fits.
+rank's own tensor in every slot), every op's output storages counted until freed
+(``common.peak_live_bytes``). Its times are not step times (the counting slows the step).
 """
 
 from __future__ import annotations
