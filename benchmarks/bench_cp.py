@@ -34,28 +34,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GENOMES, machine, peak_live_bytes  # noqa: E402
 
 
+def _prepared_step(tokens, layout, trim_heap: bool = False):
+    """``step() -> loss``: one forward + backward of ``cpu-small`` (recompute=layer) on this rank's
+    shard of ``tokens``."""
+    import torch
+
+    from megabase.model import build_model
+    from megabase.pipeline.distributed import objective, parallelize
+
+    torch.manual_seed(0)
+    model = parallelize(build_model("cpu-small"), layout, recompute="layer", trim_heap=trim_heap)
+    ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
+
+    def step() -> float:
+        out = objective(model(ids, targets), layout)
+        out.objective.backward()
+        return float(out.lm_loss)
+
+    return step
+
+
 def _rank(rank: int, world: int, tokens, init: str, results, trim_heap: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from megabase.model import build_model
-    from megabase.pipeline.distributed import make_layout, objective, parallelize
+    from megabase.pipeline.distributed import make_layout
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    layout = make_layout(context_parallel=world)
-    torch.manual_seed(0)
-    model = parallelize(build_model("cpu-small"), layout, recompute="layer", trim_heap=trim_heap)
-    ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
+    step = _prepared_step(tokens, make_layout(context_parallel=world), trim_heap)
     before = _rss_gib()
     start = time.perf_counter()
-    step = objective(model(ids, targets), layout)
-    step.objective.backward()
+    loss = step()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    results[rank] = {"seconds": seconds, "peak_gib": peak, "before_gib": before,
-                     "loss": float(step.lm_loss)}
+    results[rank] = {"seconds": seconds, "peak_gib": peak, "before_gib": before, "loss": loss}
     if world > 1:
         dist.destroy_process_group()
 
@@ -64,9 +78,8 @@ def live_rank(tokens, rank: int, world: int) -> dict:
     """Peak live tensor bytes of one rank's step, run in this process (see the module docs)."""
     import torch
 
-    from megabase.model import build_model
     from megabase.pipeline.context_parallel import ContextParallel
-    from megabase.pipeline.distributed import Layout, objective, parallelize
+    from megabase.pipeline.distributed import Layout
 
     class _Copies(torch.autograd.Function):
         @staticmethod
@@ -84,16 +97,8 @@ def live_rank(tokens, rank: int, world: int) -> dict:
         def all_reduce(self, x):
             return x.detach() * self.size
 
-    layout = Layout(0, 1, Local(rank, world) if world > 1 else None)
-    torch.manual_seed(0)
-    model = parallelize(build_model("cpu-small"), layout, recompute="layer")
-    ids, targets = layout.shard(tokens[:, :-1], tokens[:, 1:])
-
-    def step():
-        out = objective(model(ids, targets), Layout())
-        out.objective.backward()
-        return float(out.lm_loss)
-
+    # one process (world 1): the objective is this shard's own loss
+    step = _prepared_step(tokens, Layout(0, 1, Local(rank, world) if world > 1 else None))
     start = time.perf_counter()
     loss, peak = peak_live_bytes(step)
     return {"seconds": time.perf_counter() - start, "peak_gib": peak / 2**30, "loss": loss}
