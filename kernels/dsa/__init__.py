@@ -1,10 +1,12 @@
 """DeepSeek Sparse Attention: lightning indexer with running top-k, sparse attention, indexer losses.
 
-Two implementations with one signature: the plain-PyTorch reference
-(:mod:`megabase.kernels.dsa.reference`, the CPU default and the test oracle) and Triton kernels
-(:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
-``"reference"`` or ``"triton"``; Triton on CPU tensors runs under ``TRITON_INTERPRET=1`` only
-(slow: for tests at tiny shapes). Shapes follow ``fla.ops.dsa.naive_dsa``.
+Three implementations with one signature: the plain-PyTorch reference
+(:mod:`megabase.kernels.dsa.reference`, the test oracle), sparse-matrix products
+(:mod:`megabase.kernels.dsa.csr`, the CPU default: sparse attention and the sparse indexer loss;
+its indexer is the reference's) and Triton kernels (:mod:`megabase.kernels.dsa.triton_kernels`, the
+CUDA default). ``backend`` is ``"auto"``, ``"reference"``, ``"csr"`` or ``"triton"``; Triton on
+CPU tensors runs under ``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes
+follow ``fla.ops.dsa.naive_dsa``.
 """
 
 from __future__ import annotations
@@ -13,18 +15,19 @@ import os
 
 import torch
 
-from . import reference
+from . import csr, reference
 from .reference import BLOCK_K, BLOCK_Q, indexer_kl_dense
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "csr", "triton")
 
 
 def resolve_backend(backend: str, like: torch.Tensor) -> str:
-    """``"reference"`` or ``"triton"`` for tensors like ``like``; a clear error if impossible."""
+    """``"reference"``, ``"csr"`` or ``"triton"`` for tensors like ``like``; a clear error if
+    impossible."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown DSA backend {backend!r}; choose {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if like.is_cuda and _triton_available() else "reference"
+        return "triton" if like.is_cuda and _triton_available() else "csr"
     if backend == "triton" and not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton DSA kernels need CUDA tensors, or TRITON_INTERPRET=1 (set "
                          "before triton is imported) to run on the CPU")
@@ -38,11 +41,12 @@ def _triton_available() -> bool:
 
 
 def _impl(backend: str, like: torch.Tensor):
-    if resolve_backend(backend, like) == "triton":
+    chosen = resolve_backend(backend, like)
+    if chosen == "triton":
         from . import triton_kernels
 
         return triton_kernels
-    return reference
+    return csr if chosen == "csr" else reference
 
 
 def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
@@ -50,11 +54,11 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                 backend: str = "auto"):
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
     ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
-    impl = _impl(backend, q_idx)
-    if impl is reference:
+    if resolve_backend(backend, q_idx) != "triton":
         return reference.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q,
                                      block_k, offset)
-    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
+    return _impl(backend, q_idx).dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent,
+                                             offset=offset)
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
@@ -62,8 +66,8 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
     (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
     impl = _impl(backend, q)
-    if impl is reference:
-        return reference.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    if resolve_backend(backend, q) != "triton":
+        return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
     return impl.sparse_attention(q, k, v, indices, scale, return_probs)
 
 

@@ -126,21 +126,22 @@ def _merge(best, scores, k0: int, topk: int):
     """The top ``topk`` of ``best`` (composite keys) and a chunk's ``scores [B, bq, n]`` of keys
     ``k0 .. k0 + n``.
 
-    Only a chunk's candidates that can enter are encoded: those at or above the row's current
-    k-th score (the chunk's own k-th while ``best`` is not full), gathered into a ``-inf``-padded
-    row of the widest row's count.
+    Only a chunk's candidates that can enter are encoded, gathered into a ``-inf``-padded row of
+    the widest row's count: with ``best`` full, those above its k-th score (strictly: the chunk's
+    keys are older than every key in ``best``, so a tie with the k-th loses), else those at or
+    above the chunk's own k-th score.
     """
     B, bq, n = scores.shape
     if best is not None and best.shape[-1] >= topk:
-        floor = _order_value(best.amin(-1) >> 32)
+        floor, above = _order_value(best.amin(-1) >> 32), torch.gt
     elif n > topk:
-        floor = scores.topk(topk, dim=-1, sorted=False).values.amin(-1)
+        floor, above = scores.topk(topk, dim=-1, sorted=False).values.amin(-1), torch.ge
     else:
         floor = None
     if floor is None:
         cand = _composite(scores, torch.arange(k0, k0 + n, device=scores.device))
     else:
-        b, row, col = (scores >= floor[..., None]).nonzero(as_tuple=True)
+        b, row, col = above(scores, floor[..., None]).nonzero(as_tuple=True)
         if b.numel() == 0:
             return best
         flat = b * bq + row
