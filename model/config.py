@@ -56,7 +56,7 @@ class ModelConfig:
     loss_chunk: int = 65536
     dsa_block: int = 256
     kda_backend: str = "auto"
-    dsa_backend: str = "auto"  # csr (sparse products) on CPU, Triton kernels on CUDA
+    dsa_backend: str = "auto"  # cpu (C indexer, sparse products) on CPU, Triton kernels on CUDA
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,7 +89,7 @@ class ModelConfig:
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
         choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "fla"),
-                   "dsa_backend": ("auto", "reference", "csr", "triton")}
+                   "dsa_backend": ("auto", "reference", "cpu", "triton")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"model.{name} must be one of {', '.join(allowed)}; "

@@ -1,10 +1,11 @@
 """DeepSeek Sparse Attention: lightning indexer with running top-k, sparse attention, indexer losses.
 
 Three implementations with one signature: the plain-PyTorch reference
-(:mod:`megabase.kernels.dsa.reference`, the test oracle), sparse-matrix products
-(:mod:`megabase.kernels.dsa.csr`, the CPU default: sparse attention and the sparse indexer loss;
-its indexer is the reference's) and Triton kernels (:mod:`megabase.kernels.dsa.triton_kernels`, the
-CUDA default). ``backend`` is ``"auto"``, ``"reference"``, ``"csr"`` or ``"triton"``; Triton on
+(:mod:`megabase.kernels.dsa.reference`, the test oracle), the CPU kernels
+(:mod:`megabase.kernels.dsa.cpu`, the CPU default: a fused C indexer, sparse attention and the
+sparse indexer loss as sparse-matrix products) and Triton kernels
+(:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
+``"reference"``, ``"cpu"`` or ``"triton"``; Triton on
 CPU tensors runs under ``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes
 follow ``fla.ops.dsa.naive_dsa``.
 """
@@ -15,19 +16,19 @@ import os
 
 import torch
 
-from . import csr, reference
+from . import cpu, reference
 from .reference import BLOCK_K, BLOCK_Q, indexer_kl_dense
 
-BACKENDS = ("auto", "reference", "csr", "triton")
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 def resolve_backend(backend: str, like: torch.Tensor) -> str:
-    """``"reference"``, ``"csr"`` or ``"triton"`` for tensors like ``like``; a clear error if
+    """``"reference"``, ``"cpu"`` or ``"triton"`` for tensors like ``like``; a clear error if
     impossible."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown DSA backend {backend!r}; choose {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if like.is_cuda and _triton_available() else "csr"
+        return "triton" if like.is_cuda and _triton_available() else "cpu"
     if backend == "triton" and not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton DSA kernels need CUDA tensors, or TRITON_INTERPRET=1 (set "
                          "before triton is imported) to run on the CPU")
@@ -46,7 +47,7 @@ def _impl(backend: str, like: torch.Tensor):
         from . import triton_kernels
 
         return triton_kernels
-    return csr if chosen == "csr" else reference
+    return cpu if chosen == "cpu" else reference
 
 
 def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
@@ -54,11 +55,10 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                 backend: str = "auto"):
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
     ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
-    if resolve_backend(backend, q_idx) != "triton":
-        return reference.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q,
-                                     block_k, offset)
-    return _impl(backend, q_idx).dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent,
-                                             offset=offset)
+    impl = _impl(backend, q_idx)
+    if impl is not cpu and impl is not reference:
+        return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
+    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k, offset)
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
@@ -66,9 +66,9 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
     (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
     impl = _impl(backend, q)
-    if resolve_backend(backend, q) != "triton":
-        return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
-    return impl.sparse_attention(q, k, v, indices, scale, return_probs)
+    if impl is not cpu and impl is not reference:
+        return impl.sparse_attention(q, k, v, indices, scale, return_probs)
+    return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
 
 
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):

@@ -56,7 +56,7 @@ def test_against_fla_naive(shape):
 @pytest.mark.parametrize("blocks", [(1, 1), (7, 11), (64, 5), (256, 4096)])
 def test_running_topk_is_blocking_invariant_with_ties(blocks):
     _, _, _, qi, ki, wi = make(1, 45, 1, 1, 4, 2, 3, 6, seed=2)  # ReLU makes many zero ties
-    idx = dsa_indexer(qi, ki, wi, 6, block_q=blocks[0], block_k=blocks[1])
+    idx = dsa_indexer(qi, ki, wi, 6, block_q=blocks[0], block_k=blocks[1], backend="reference")
     assert torch.equal(idx, dense_topk(qi, ki, wi, 6))
 
 
@@ -64,9 +64,10 @@ def test_running_topk_is_blocking_invariant_with_ties(blocks):
 def test_threshold_merge_matches_the_definition(block_k):
     """Long prefixes: later key chunks only contribute scores above each row's k-th."""
     _, _, _, qi, ki, wi = make(1, 300, 1, 1, 4, 2, 5, 12, seed=3)
-    idx = dsa_indexer(qi, ki, wi, 12, block_q=16, block_k=block_k)
+    idx = dsa_indexer(qi, ki, wi, 12, block_q=16, block_k=block_k, backend="reference")
     assert torch.equal(idx, dense_topk(qi, ki, wi, 12))
-    tail = dsa_indexer(qi[:, 160:], ki, wi[:, 160:], 12, block_q=16, block_k=block_k, offset=160)
+    tail = dsa_indexer(qi[:, 160:], ki, wi[:, 160:], 12, block_q=16, block_k=block_k, offset=160,
+                       backend="reference")
     assert torch.equal(tail, idx[:, 160:])
 
 
@@ -105,7 +106,7 @@ def test_memory_is_blockwise():
     _, _, _, qi, ki, wi = make(1, 600, 1, 1, 4, 1, 4, 8, seed=8)
     torch.Tensor.topk = spy
     try:
-        dsa_indexer(qi, ki, wi, 8, block_q=32, block_k=64)
+        dsa_indexer(qi, ki, wi, 8, block_q=32, block_k=64, backend="reference")
     finally:
         torch.Tensor.topk = real_topk
     assert max(seen) <= 32 * (8 + 64) and 600 * 600 > 32 * (8 + 64)

@@ -89,7 +89,7 @@ def test_dsa_attention_end_to_end_and_backend_choice():
                                    backend="reference")
     assert torch.equal(idx, idx_ref)
     assert_close(o, o_ref, "o")
-    assert resolve_backend("auto", q) == ("triton" if q.is_cuda else "csr")
+    assert resolve_backend("auto", q) == ("triton" if q.is_cuda else "cpu")
     with pytest.raises(ValueError, match="unknown DSA backend"):
         resolve_backend("cuda", q)
 

@@ -1,7 +1,11 @@
-"""Sparse attention and the sparse indexer loss on the CPU, as sparse-matrix products.
+"""The CPU kernels of DSA: a fused C indexer, and sparse attention and the sparse indexer loss as
+sparse-matrix products.
 
 Same signatures and results as :mod:`megabase.kernels.dsa.reference` (the oracle), another
-evaluation order. A query block's selection ``indices [B, Tq, topk]`` is the pattern of a CSR
+evaluation order. The indexer (``indexer.c``, built on first use by :mod:`megabase.kernels.native`)
+computes each query's index scores one key block at a time and keeps its top-k in the reference's
+total order (score desc, position desc), never storing more than a block of scores; where it cannot
+be built the reference indexer runs instead. A selection ``indices [B, Tq, topk]`` is the pattern of a CSR
 matrix with exactly ``topk`` slots per query row (-1 slots point at a valid key and carry 0 or
 ``-inf``). Scores over the selected keys are a sampled dense-dense product
 (``torch.sparse.sampled_addmm``), the weighted sums of values and the gradients of queries are
@@ -16,11 +20,16 @@ the length; under autograd only the inputs, the output and the log-sum-exp are k
 
 from __future__ import annotations
 
+import ctypes
 import warnings
+from pathlib import Path
 
 import torch
 
+from megabase.kernels import native
 from megabase.kernels.precision import full_precision
+
+from . import reference
 
 ENTRIES = 1 << 22  # selected (query, key) pairs per row block: 16 MiB per fp32 temporary
 
@@ -235,3 +244,45 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q:
                             w.float().reshape(B * Tq, HI), indices, target.float().reshape(B * Tq, -1),
                             scale)
     return total / max(B * Tq, 1)
+
+
+VW = 16  # keys per vector in indexer.c
+
+
+def _native_indexer():
+    lib = native.load(str(Path(__file__).with_name("indexer.c")))
+    if lib is not None and not hasattr(lib.megabase_dsa_indexer, "_megabase"):
+        f = lib.megabase_dsa_indexer
+        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        f.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        f.restype = ctypes.c_int
+        f._megabase = True
+    return None if lib is None else lib.megabase_dsa_indexer
+
+
+@torch.no_grad()
+def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
+                block_q: int = reference.BLOCK_Q, block_k: int = reference.BLOCK_K, offset: int = 0):
+    """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
+
+    As :func:`megabase.kernels.dsa.reference.dsa_indexer` (``block_q``/``block_k`` size only the
+    fallback's blocks). CPU tensors; others, or no native kernel, take the reference.
+    """
+    kernel = _native_indexer() if q_idx.device.type == "cpu" else None
+    if kernel is None:
+        return reference.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q,
+                                     block_k, offset)
+    B, Tq, HI, DI = q_idx.shape
+    Tk = k_idx.shape[1]
+    scale = DI**-0.5 if scale is None else scale
+    q = q_idx.float().contiguous()
+    kb = torch.nn.functional.pad(k_idx.float(), (0, 0, 0, (-Tk) % VW))  # blocks of VW keys
+    kb = kb.reshape(B, -1, VW, DI).transpose(2, 3).contiguous()  # [B, Tk / VW, DI, VW]
+    w = None if w_idx is None else w_idx.float().contiguous()
+    out = torch.empty(B, Tq, topk, dtype=torch.long)
+    status = kernel(q.data_ptr(), kb.data_ptr(), None if w is None else w.data_ptr(), B, Tq, Tk,
+                    HI, DI, topk, scale, keep_recent, offset, out.data_ptr(),
+                    torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the native DSA indexer could not allocate its top-{topk} buffers")
+    return out

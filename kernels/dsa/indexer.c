@@ -1,0 +1,169 @@
+/* The DSA lightning indexer with its top-k, fused, for the CPU (see cpu.py).
+ *
+ * For each query row r (batch b = r / Tq, position pos = offset + r % Tq) the score of key s <= pos
+ * is I = sum_j w[r, j] * relu((scale * q[r, j]) . k[b, s]); the row keeps the topk keys in the order
+ * (score desc, position desc), as the PyTorch reference. Keys are scanned from pos down to 0, so
+ * every key arrives older than all kept ones: once topk are held, a key enters only if its score is
+ * strictly above the current k-th (a tie loses to the more recent key already held). Candidates are
+ * one int64 each, order_key(score) * 2^32 + position, kept in arrival order; when the buffer fills,
+ * the k-th largest is found on a copy and the buffer filtered in place. Arrival order is descending
+ * position, so the output needs no sort. Scores never exist beyond one block of keys.
+ *
+ * Layouts (fp32, contiguous): q [R, HI, DI]; kb [B, ceil(Tk / VW), DI, VW], the keys in blocks of VW
+ * (zero-padded), each block transposed so that one dimension of VW keys is one vector; w [R, HI]
+ * or NULL; out [R, topk] int64, ascending positions, -1 padded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define VW 16
+#define G 4 /* key blocks scored together */
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* fp32 -> int32 with the same order (-0.0 folded into +0.0), as reference._order_key */
+static inline int64_t order_key(float v) {
+    v += 0.0f;
+    int32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits < 0 ? (int64_t)(bits ^ 0x7FFFFFFF) : (int64_t)bits;
+}
+
+/* The k-th largest (0-based) of x[0..n), by quickselect on the scratch copy tmp. */
+static int64_t kth_largest(const int64_t *x, int64_t n, int64_t k, int64_t *tmp) {
+    memcpy(tmp, x, (size_t)n * sizeof *tmp);
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int64_t pivot = tmp[lo + (hi - lo) / 2], i = lo, j = hi;
+        while (i <= j) {
+            while (tmp[i] > pivot) i++;
+            while (tmp[j] < pivot) j--;
+            if (i <= j) {
+                int64_t t = tmp[i];
+                tmp[i++] = tmp[j];
+                tmp[j--] = t;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else break;
+    }
+    return tmp[k];
+}
+
+/* Keep the topk largest of buf[0..n) in arrival order; returns topk, sets *kth to the k-th. */
+static int64_t compact(int64_t *buf, int64_t n, int64_t topk, int64_t *tmp, int64_t *kth) {
+    *kth = kth_largest(buf, n, topk - 1, tmp);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (buf[i] >= *kth) buf[m++] = buf[i];
+    return m;
+}
+
+/* Bit x set where lane x of score is above floor. */
+static inline uint32_t above(vf score, float floor) {
+    uint32_t bits = 0;
+    for (int x = 0; x < VW; x++) bits |= (uint32_t)(score[x] > floor) << x;
+    return bits;
+}
+
+static void one_row(const float *q, const float *kb, const float *w, int64_t HI, int64_t DI,
+                    int64_t last, int64_t pos, int64_t topk, float scale, int64_t keep_recent,
+                    int64_t cap, int64_t *out, int64_t *buf, int64_t *tmp) {
+    int64_t n = 0, kth = 0;
+    int full = 0;
+    float floor = -INFINITY, qs[HI * DI];
+    for (int64_t i = 0; i < HI * DI; i++) qs[i] = q[i] * scale;
+    const int64_t recent = keep_recent > 0 ? pos - keep_recent : INT64_MAX; /* s > recent: forced */
+    for (int64_t top = last / VW; top >= 0; top -= G) {
+        /* G blocks of VW keys at once: G independent FMA chains per head hide the FMA latency */
+        vf score[G];
+        for (int g = 0; g < G; g++) score[g] = (vf){0};
+        const int64_t low = top - G + 1 < 0 ? 0 : top - G + 1; /* blocks low..top */
+        for (int64_t j = 0; j < HI; j++) {
+            vf acc[G];
+            for (int g = 0; g < G; g++) acc[g] = (vf){0};
+            for (int64_t d = 0; d < DI; d++) {
+                const float qd = qs[j * DI + d];
+                for (int g = 0; g < G; g++) /* block top - g, or a repeat of `low` past the row start */
+                    acc[g] += qd * load(kb + ((top - g < low ? low : top - g) * DI + d) * VW);
+            }
+            const float wj = w ? w[j] : 1.0f;
+            for (int g = 0; g < G; g++) {
+                vf zero = {0};
+                score[g] += wj * (vf)((vi)acc[g] & (acc[g] > zero)); /* relu */
+            }
+        }
+        for (int64_t blk = top; blk >= low; blk--) {
+            const vf sv = score[top - blk];
+            const int64_t s0 = blk * VW;
+            /* lanes that may enter, newest first: all while the row holds < topk keys */
+            const uint32_t all = (1u << VW) - 1;
+            uint32_t lanes = full ? above(sv, floor) : all;
+            if (s0 + VW - 1 > recent) /* forced keys s > recent */
+                lanes |= s0 > recent ? all : all & ~((1u << (recent - s0 + 1)) - 1);
+            if (s0 + VW - 1 > last) /* keys past the query */
+                lanes &= (1u << (last - s0 + 1)) - 1;
+            while (lanes) {
+                const int x = 31 - __builtin_clz(lanes);
+                lanes &= ~(1u << x);
+                const int64_t s = s0 + x;
+                const float v = s > recent ? INFINITY : sv[x];
+                if (full && !(v > floor)) continue;
+                buf[n++] = order_key(v) * ((int64_t)1 << 32) + s;
+                if (n == cap || (!full && n == topk)) {
+                    if (full) {
+                        n = compact(buf, n, topk, tmp, &kth);
+                    } else { /* the first topk keys: all held, the k-th is the least */
+                        kth = buf[0];
+                        for (int64_t i = 1; i < n; i++) kth = buf[i] < kth ? buf[i] : kth;
+                        full = 1;
+                    }
+                    int32_t bits = (int32_t)(kth >> 32);
+                    bits = bits < 0 ? bits ^ 0x7FFFFFFF : bits;
+                    memcpy(&floor, &bits, sizeof floor);
+                }
+            }
+        }
+    }
+    if (n > topk) n = compact(buf, n, topk, tmp, &kth);
+    for (int64_t i = 0; i < n; i++) out[i] = buf[n - 1 - i] & 0xFFFFFFFF; /* arrival: descending */
+    for (int64_t i = n; i < topk; i++) out[i] = -1;
+}
+
+int megabase_dsa_indexer(const float *q, const float *kb, const float *w, int64_t B, int64_t Tq,
+                         int64_t Tk, int64_t HI, int64_t DI, int64_t topk, float scale,
+                         int64_t keep_recent, int64_t offset, int64_t *out, int threads) {
+    if (topk <= 0) return 0;
+    if (threads < 1) threads = 1;
+    const int64_t nblk = (Tk + VW - 1) / VW;
+    const int64_t cap = 4 * topk; /* a larger buffer: fewer compactions, a threshold that lags */
+    int64_t *pool = malloc((size_t)threads * (size_t)(2 * cap) * sizeof *pool);
+    if (!pool) return -1;
+    /* later rows scan more keys: small chunks, last rows first */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (int64_t i = 0; i < B * Tq; i++) {
+#ifdef _OPENMP
+        int64_t *buf = pool + (size_t)omp_get_thread_num() * (size_t)(2 * cap);
+#else
+        int64_t *buf = pool;
+#endif
+        int64_t r = B * Tq - 1 - i, b = r / Tq, pos = offset + r % Tq;
+        int64_t last = pos < Tk - 1 ? pos : Tk - 1;
+        one_row(q + r * HI * DI, kb + b * nblk * DI * VW, w ? w + r * HI : NULL, HI, DI, last, pos,
+                topk, scale, keep_recent, cap, out + r * topk, buf, buf + cap);
+    }
+    free(pool);
+    return 0;
+}

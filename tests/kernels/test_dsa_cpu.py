@@ -1,0 +1,113 @@
+"""The CPU DSA kernels (the CPU default) against the reference.
+
+Sparse attention and the sparse indexer KL: outputs, head-summed probabilities and every gradient
+within the shared tolerance table, at odd lengths, GQA, ``topk`` above and below ``T``, batches, a
+streaming offset (more keys than queries), and with rows split into several blocks. The native
+indexer: the same selected keys, ties included, and the fallback when it cannot be built.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from megabase.kernels import native
+from megabase.kernels.dsa import cpu, dsa_indexer, indexer_kl_sparse, resolve_backend, sparse_attention
+from tests.kernels.test_dsa import SHAPES, dense_topk, make
+from tests.kernels.tolerances import assert_close
+
+
+def run(backend, q, k, v, qi, ki, wi, idx):
+    """Forward values and the gradients of a loss that reaches every input."""
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v, qi, ki)]
+    w = None if wi is None else wi.detach().clone().requires_grad_()
+    o, p = sparse_attention(*inputs[:3], idx, return_probs=True, backend=backend)
+    kl = indexer_kl_sparse(inputs[3], inputs[4], w, idx, p, backend=backend)
+    (o.square().sum() + o.sum() + 10 * kl).backward()
+    grads = [x.grad for x in inputs] + ([] if w is None else [w.grad])
+    return [o.detach(), p, kl.detach(), *grads]
+
+
+def assert_backends_agree(q, k, v, qi, ki, wi, idx):
+    names = ["o", "probs", "kl", "dq", "dk", "dv", "dq_idx", "dk_idx", "dw_idx"]
+    ref = run("reference", q, k, v, qi, ki, wi, idx)
+    got = run("cpu", q, k, v, qi, ki, wi, idx)
+    for name, a, b in zip(names, got, ref):
+        assert_close(a, b, name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_forward_and_gradients_match_the_reference(shape, weighted):
+    q, k, v, qi, ki, wi = make(*shape, seed=21)
+    wi = wi if weighted else None
+    idx = dsa_indexer(qi, ki, wi, shape[-1])
+    assert_backends_agree(q, k, v, qi, ki, wi, idx)
+
+
+def test_rows_split_into_blocks(monkeypatch):
+    q, k, v, qi, ki, wi = make(2, 53, 4, 2, 8, 2, 4, 6, seed=22)
+    idx = dsa_indexer(qi, ki, wi, 6)
+    monkeypatch.setattr(cpu, "ENTRIES", 6 * 17)  # 17 rows a block: blocks cross the batch border
+    assert_backends_agree(q, k, v, qi, ki, wi, idx)
+
+
+def test_streaming_offset_more_keys_than_queries():
+    q, k, v, qi, ki, wi = make(1, 70, 2, 1, 8, 2, 4, 9, seed=23)
+    idx = dsa_indexer(qi[:, 40:], ki, wi[:, 40:], 9, offset=40)
+    assert_backends_agree(q[:, 40:], k, v, qi[:, 40:], ki, wi[:, 40:], idx)
+
+
+def test_real_selection_with_padding_rows_and_auto_choice():
+    """Early queries see fewer than ``topk`` keys (-1 slots): they must carry no weight."""
+    q, k, v, qi, ki, wi = make(1, 40, 2, 2, 8, 2, 4, 32, seed=24)
+    idx = dsa_indexer(qi, ki, wi, 32)
+    assert (idx < 0).any()
+    assert_backends_agree(q, k, v, qi, ki, wi, idx)
+    assert resolve_backend("auto", q) == ("triton" if q.is_cuda else "cpu")
+    o, p = sparse_attention(q, k, v, idx, return_probs=True)
+    assert torch.allclose(p.sum(-1), torch.ones(1, 40)) and (p[idx < 0] == 0).all()
+
+
+def test_native_indexer_is_built_where_a_compiler_exists():
+    if native.enabled() and (shutil.which("cc") or shutil.which("gcc")):
+        assert cpu._native_indexer() is not None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("keep_recent", [0, 3])
+def test_native_indexer_selects_the_reference_keys(shape, weighted, keep_recent):
+    _, _, _, qi, ki, wi = make(*shape, seed=25)
+    wi = wi if weighted else None
+    ref = dsa_indexer(qi, ki, wi, shape[-1], keep_recent=keep_recent, backend="reference")
+    assert torch.equal(dsa_indexer(qi, ki, wi, shape[-1], keep_recent=keep_recent, backend="cpu"), ref)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_indexer_ties_long_prefixes_and_offsets(seed):
+    """ReLU zeros and equal keys tie (the most recent wins); long rows refill the top-k buffer
+    many times; a streaming offset selects what the full pass does."""
+    _, _, _, qi, ki, wi = make(1, 45, 1, 1, 4, 2, 3, 6, seed=2 + seed)
+    assert torch.equal(dsa_indexer(qi, ki, wi, 6, backend="cpu"), dense_topk(qi, ki, wi, 6))
+    _, _, _, qi, ki, wi = make(2, 700, 1, 1, 4, 2, 5, 7, seed=seed, positive_index=True)
+    ki[:, 300:310] = ki[:, 290:300]  # exact equal scores between distinct keys
+    full = dsa_indexer(qi, ki, wi, 7, backend="cpu")
+    assert torch.equal(full, dsa_indexer(qi, ki, wi, 7, backend="reference"))
+    tail = dsa_indexer(qi[:, 333:], ki, wi[:, 333:], 7, offset=333, backend="cpu")
+    assert torch.equal(tail, full[:, 333:])
+
+
+def test_native_build_failure_falls_back_with_one_warning(tmp_path, monkeypatch):
+    bad = tmp_path / "broken.c"
+    bad.write_text("int f( {\n")
+    monkeypatch.setenv("MEGABASE_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="broken.c is unavailable"):
+        assert native.load(str(bad)) is None
+    monkeypatch.setenv("MEGABASE_NATIVE", "0")
+    native.load.cache_clear()
+    assert native.load(str(bad)) is None
+    assert cpu._native_indexer() is None  # off: the reference indexer runs instead
+    _, _, _, qi, ki, wi = make(1, 40, 1, 1, 4, 2, 3, 5, seed=3)
+    assert torch.equal(dsa_indexer(qi, ki, wi, 5, backend="cpu"), dense_topk(qi, ki, wi, 5))
+    native.load.cache_clear()
