@@ -55,7 +55,7 @@ class ModelConfig:
     moe_chunk: int = 16384
     loss_chunk: int = 65536
     dsa_block: int = 256
-    kda_backend: str = "auto"
+    kda_backend: str = "auto"  # cpu (the recurrence in C) on CPU, fla on CUDA
     dsa_backend: str = "auto"  # cpu (C indexer, sparse products) on CPU, Triton kernels on CUDA
 
     def __post_init__(self) -> None:
@@ -88,7 +88,7 @@ class ModelConfig:
                              f"model.n_experts ({self.n_experts})")
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
-        choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "fla"),
+        choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "cpu", "fla"),
                    "dsa_backend": ("auto", "reference", "cpu", "triton")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -101,7 +101,7 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     for i in range(cp.size - 1):
         C, M = every[i].split([V, K], dim=-1)
         states.append(M @ states[-1] + C)
-    incoming = torch.stack(states)[cp.rank].float()
+    incoming = torch.stack(states)[cp.rank]  # fp64: the C kernel carries its state in fp64
     o, _ = kda_chunk(q, k, v, g, beta, initial_state=incoming, backend=backend)
     return o
 

@@ -1,14 +1,19 @@
-"""Kimi Delta Attention: plain-PyTorch reference (recurrent + chunkwise) and the CUDA dispatch.
+"""Kimi Delta Attention: plain-PyTorch reference (recurrent + chunkwise), the C kernel, the dispatch.
 
-``kda_chunk`` runs ``fla.ops.kda.chunk_kda`` on CUDA tensors (when ``flash-linear-attention`` is
-installed) and the vectorised PyTorch chunk form everywhere else; ``backend="torch"`` forces the
-reference. Shapes and math: :mod:`megabase.kernels.kda.reference`.
+``kda_chunk`` is the fast KDA op wherever it runs: ``fla.ops.kda.chunk_kda`` on CUDA tensors (when
+``flash-linear-attention`` is installed); on CPU tensors the recurrence in C
+(:mod:`megabase.kernels.kda.cpu`, built on first use), else the vectorised PyTorch chunk form.
+``backend``: ``"auto"``, ``"torch"`` (the PyTorch chunk form), ``"cpu"`` (the C kernel) or
+``"fla"``. Shapes and math: :mod:`megabase.kernels.kda.reference`.
 """
 
 from __future__ import annotations
 
+from . import cpu
 from .reference import kda_chunk as kda_chunk_torch
 from .reference import kda_recurrent
+
+BACKENDS = ("auto", "torch", "cpu", "fla")
 
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -20,22 +25,33 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         o, state = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state)
         return o, state
+    if _use_cpu(backend, q):
+        return cpu.kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
     return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
 def kda_final_state(q, k, v, g, beta, scale=None, initial_state=None, backend: str = "auto"):
     """The final state ``[B, HV, K, V]`` (fp32) alone, as :func:`kda_chunk` would return it; the
-    PyTorch path skips the outputs (fla computes and drops them)."""
-    if _use_fla(backend, q):
+    PyTorch path skips the outputs (fla and the C kernel compute and drop them)."""
+    if _use_fla(backend, q) or _use_cpu(backend, q):
         return kda_chunk(q, k, v, g, beta, scale, initial_state, True, backend)[1]
     return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, True, output=False)[1]
 
 
 def _use_fla(backend: str, q) -> bool:
     """Whether ``backend`` runs on fla's kernels for tensors like ``q`` (a clear error if unknown)."""
-    if backend not in ("auto", "torch", "fla"):
-        raise ValueError(f"unknown KDA backend {backend!r}; choose auto, torch or fla")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KDA backend {backend!r}; choose {', '.join(BACKENDS)}")
     return backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available())
+
+
+def _use_cpu(backend: str, q) -> bool:
+    """Whether ``backend`` runs on the C kernel for tensors like ``q`` (a clear error if it was
+    asked for and cannot)."""
+    if backend == "cpu" and (q.device.type != "cpu" or not cpu.available()):
+        raise ValueError("the cpu KDA backend needs CPU tensors and a built C kernel "
+                         "(a C compiler on PATH, MEGABASE_NATIVE not 0)")
+    return backend in ("auto", "cpu") and q.device.type == "cpu" and cpu.available()
 
 
 def _fla_available() -> bool:
@@ -48,4 +64,4 @@ def _fla_available() -> bool:
         return False
 
 
-__all__ = ["kda_chunk", "kda_chunk_torch", "kda_final_state", "kda_recurrent"]
+__all__ = ["BACKENDS", "kda_chunk", "kda_chunk_torch", "kda_final_state", "kda_recurrent"]

@@ -1,7 +1,11 @@
+import functools
+import shutil
+
 import pytest
 import torch
 
-from megabase.kernels.kda import kda_chunk, kda_chunk_torch, kda_recurrent
+from megabase.kernels import native
+from megabase.kernels.kda import cpu, kda_chunk, kda_chunk_torch, kda_recurrent
 from tests.fla_oracle import fla_naive
 from tests.kernels.tolerances import assert_close
 
@@ -36,10 +40,12 @@ def run(fn, xs, **kw):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("strong_decay", [False, True])
-def test_chunk_matches_recurrent(shape, strong_decay):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_chunk_matches_recurrent(shape, strong_decay, backend):
+    """The PyTorch chunk form and the C recurrence against the PyTorch recurrence."""
     xs = make(*shape, strong_decay=strong_decay)
     o1, s1, g1 = run(kda_recurrent, xs)
-    o2, s2, g2 = run(kda_chunk, xs)
+    o2, s2, g2 = run(functools.partial(kda_chunk, backend=backend), xs)
     assert_close(o2, o1, "o")
     assert_close(s2, s1, "final state")
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g2, g1):
@@ -56,16 +62,38 @@ def test_checkpointed_segments_match_one_segment():
         assert_close(a, b, "grad")
 
 
-def test_split_sequence_with_carried_state_equals_whole():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_split_sequence_with_carried_state_equals_whole(backend):
     q, k, v, g, beta, s0 = make(2, 157, 2, 2, 16, 8, seed=1)
-    whole, s_whole = kda_chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    kda = functools.partial(kda_chunk, output_final_state=True, backend=backend)
+    whole, s_whole = kda(q, k, v, g, beta, initial_state=s0)
     cut = 70
-    a, s_mid = kda_chunk(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut],
-                         initial_state=s0, output_final_state=True)
-    b, s_end = kda_chunk(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
-                         initial_state=s_mid, output_final_state=True)
+    a, s_mid = kda(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], initial_state=s0)
+    b, s_end = kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=s_mid)
     assert_close(torch.cat([a, b], 1), whole, "o")
     assert_close(s_end, s_whole, "state")
+    if backend == "cpu":  # the same operations in the same order, the state carried in fp64
+        assert torch.equal(torch.cat([a, b], 1), whole) and torch.equal(s_end, s_whole)
+
+
+def test_c_kernel_is_built_and_can_be_turned_off(monkeypatch):
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert cpu.available()
+    xs = make(1, 40, 1, 1, 8, 8, seed=4)
+    monkeypatch.setenv("MEGABASE_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        assert not cpu.available()
+        o, s = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)  # PyTorch form
+        assert s.dtype == torch.float32
+        with pytest.raises(ValueError, match="cpu KDA backend"):
+            kda_chunk(*xs[:5], backend="cpu")
+    finally:
+        monkeypatch.delenv("MEGABASE_NATIVE")
+        native.load.cache_clear()
+    o_c, s_c = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert s_c.dtype == torch.float64
+    assert_close(o_c, o, "o")
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 1, 2, 16, 16), (2, 128, 2, 2, 8, 12)])
