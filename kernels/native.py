@@ -45,9 +45,15 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+# lets the compiler vectorise sums (their order then differs from the written loop's, and is fixed
+# at build time); for kernels that neither rely on signed zeros nor on a strict order of sums
+REASSOCIATE = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+
+
 @functools.lru_cache(maxsize=None)
-def load(source: str) -> ctypes.CDLL | None:
-    """The shared library built from the C file ``source`` (a path), or None if it cannot be had."""
+def load(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The shared library built from the C file ``source`` (a path) with the ``extra`` compiler
+    flags, or None if it cannot be had."""
     if not enabled():
         return None
     src = Path(source)
@@ -58,8 +64,8 @@ def load(source: str) -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return _give_up(src, f"{cc} --version failed: {err}")
-    for extra in (("-fopenmp",), ()):  # without OpenMP (e.g. clang lacking libomp): one thread
-        flags = FLAGS + extra
+    for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. clang lacking libomp): one thread
+        flags = FLAGS + tuple(extra) + openmp
         key = hashlib.sha256("\0".join([src.read_text(), *flags, version, _cpu_flags()]).encode())
         out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
         if not out.exists():

@@ -1,27 +1,19 @@
-"""The CPU kernels of DSA: a fused C indexer, and sparse attention and the sparse indexer loss as
+"""The CPU kernels of DSA: the indexer and sparse attention in C, the sparse indexer loss as
 sparse-matrix products.
 
 Same signatures and results as :mod:`megabase.kernels.dsa.reference` (the oracle), another
-evaluation order. The indexer (``indexer.c``, built on first use by :mod:`megabase.kernels.native`)
-computes each query's index scores one key block at a time and keeps its top-k in the reference's
-total order (score desc, position desc), never storing more than a block of scores; where it cannot
-be built the reference indexer runs instead. A selection ``indices [B, Tq, topk]`` is the pattern of a CSR
-matrix with exactly ``topk`` slots per query row (-1 slots point at a valid key and carry 0 or
-``-inf``). Scores over the selected keys are a sampled dense-dense product
-(``torch.sparse.sampled_addmm``), the weighted sums of values and the gradients of queries are
-sparse x dense products, and the gradients of keys and values use the transposed pattern, built
-by one stable sort of the column indices in the backward. No gathered ``[Tq, topk, H, D]``
-tensor is formed, which is what the reference's cost on a CPU is: at 32,768 tokens and
-``topk = 256`` its gathers move ~2 GB per layer and step.
-
-Rows are processed ``ENTRIES // topk`` at a time, so temporaries stay ``O(ENTRIES)`` whatever
-the length; under autograd only the inputs, the output and the log-sum-exp are kept.
+evaluation order. ``indexer.c`` computes each query's index scores one block of keys at a time and
+keeps its top-k in the reference's total order (score desc, position desc), never storing more than
+a block of scores. ``attention.c`` is softmax attention over the selected keys with a flash-style
+backward: it reads the selected keys where they are, where the PyTorch forms gather or scatter
+``[Tq, topk]`` rows through memory. Both are built on first use by :mod:`megabase.kernels.native`;
+where they cannot be, the reference indexer and the sparse-matrix attention
+(:mod:`megabase.kernels.dsa.csr`) run instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import warnings
 from pathlib import Path
 
 import torch
@@ -29,235 +21,38 @@ import torch
 from megabase.kernels import native
 from megabase.kernels.precision import full_precision
 
-from . import reference
-
-ENTRIES = 1 << 22  # selected (query, key) pairs per row block: 16 MiB per fp32 temporary
-
-
-class Pattern:
-    """The CSR pattern of rows ``r0 .. r1`` of a selection ``indices [B, Tq, K]`` over ``Tk`` keys.
-
-    Batches are laid side by side: row ``b * Tq + t``, column ``b * Tk + s``. ``valid [R, K]``
-    marks real slots; the others point at column ``b * Tk`` and must be given zero weight.
-    """
-
-    def __init__(self, indices: torch.Tensor, Tk: int, r0: int, r1: int):
-        B, Tq, K = indices.shape
-        rows = indices.reshape(B * Tq, K)[r0:r1]
-        base = (torch.arange(r0, r1, device=indices.device) // Tq * Tk)[:, None]
-        self.valid = rows >= 0
-        # int32 indices: what MKL's sparse BLAS takes, so no conversion per product
-        self.col = (rows.clamp(min=0) + base).reshape(-1).to(torch.int32)
-        self.R, self.K, self.C = r1 - r0, K, B * Tk
-        self.crow = torch.arange(0, self.R * K + 1, K, device=indices.device, dtype=torch.int32)
-        self._empty = torch.zeros(self.R * K, device=indices.device)
-        self._t = None
-
-    def matrix(self, values: torch.Tensor) -> torch.Tensor:
-        """``values [R, K]`` on this pattern: a sparse ``[R, C]`` CSR matrix."""
-        with warnings.catch_warnings():  # "sparse CSR support is in beta": once, at the first use
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.sparse_csr_tensor(self.crow, self.col, values.reshape(-1),
-                                           size=(self.R, self.C), check_invariants=False)
-
-    def sampled(self, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``alpha * a[r] . b[col]`` on every slot: ``a [R, D]``, ``b [C, D]`` -> ``[R, K]``."""
-        out = torch.sparse.sampled_addmm(self.matrix(self._empty), a.contiguous(),
-                                         b.contiguous().t(), beta=0.0, alpha=alpha)
-        return out.values().reshape(self.R, self.K)
-
-    def mm(self, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``sum_slots values[r, j] * x[col]``: ``[R, K] x [C, D] -> [R, D]``."""
-        return self.matrix(values) @ x.contiguous()
-
-    def mm_t(self, values: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The transposed product ``[R, K] x [R, D] -> [C, D]`` (scatter of rows onto keys)."""
-        if self._t is None:
-            perm = torch.sort(self.col, stable=True).indices
-            counts = torch.bincount(self.col, minlength=self.C)
-            crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-            self._t = perm, crow, (perm // self.K).to(torch.int32)
-        perm, crow, rows = self._t
-        values = torch.take(values, perm)
-        return torch.sparse_csr_tensor(crow, rows, values, size=(self.C, self.R),
-                                       check_invariants=False) @ y.contiguous()
-
-
-def _blocks(indices: torch.Tensor, Tk: int):
-    B, Tq, K = indices.shape
-    step = max(1, ENTRIES // max(K, 1))
-    for r0 in range(0, B * Tq, step):
-        r1 = min(r0 + step, B * Tq)
-        yield slice(r0, r1), Pattern(indices, Tk, r0, r1)
-
-
-class _SparseAttention(torch.autograd.Function):
-    """Softmax attention over the selected keys with a flash-style backward (scores recomputed).
-
-    ``q [R, HQ, D]``, ``k [C, H, D]``, ``v [C, H, DV]`` fp32 (batches flattened), ``indices``
-    ``[B, Tq, K]`` -> ``(o [R, HQ, DV], probs [R, K])``.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
-        R, HQ, _ = q.shape
-        C, H = k.shape[:2]
-        G = HQ // H
-        qh, kh, vh = _heads(q), _heads(k), _heads(v)
-        o = q.new_empty(HQ, R, v.shape[-1])
-        lse = q.new_empty(HQ, R)
-        probs = q.new_empty(R, indices.shape[-1])
-        for rows, pat in _blocks(indices, C // indices.shape[0]):
-            ph = 0
-            for hq in range(HQ):
-                s = pat.sampled(qh[hq, rows], kh[hq // G], scale).masked_fill_(~pat.valid, -torch.inf)
-                m = s.logsumexp(-1)
-                m = m.masked_fill(~torch.isfinite(m), 0.0)
-                p = s.sub_(m[:, None]).exp_()
-                o[hq, rows] = pat.mm(p, vh[hq // G])
-                lse[hq, rows] = m
-                ph = ph + p
-            probs[rows] = ph / ph.sum(-1, keepdim=True).clamp_min(1e-30)
-        o = o.transpose(0, 1)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(probs)
-        return o, probs
-
-    @staticmethod
-    @full_precision
-    def backward(ctx, do, _dprobs):
-        q, k, v, indices, o, lse = ctx.saved_tensors
-        scale = ctx.scale
-        HQ, H = q.shape[1], k.shape[1]
-        G = HQ // H
-        qh, kh, vh, doh = _heads(q), _heads(k), _heads(v), _heads(do)
-        dq, dk, dv = torch.empty_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
-        delta = (do * o).sum(-1).t()  # [HQ, R]
-        for rows, pat in _blocks(indices, k.shape[0] // indices.shape[0]):
-            for hq in range(HQ):
-                h = hq // G
-                s = pat.sampled(qh[hq, rows], kh[h], scale).masked_fill_(~pat.valid, -torch.inf)
-                p = s.sub_(lse[hq, rows, None]).exp_()
-                ds = pat.sampled(doh[hq, rows], vh[h]).sub_(delta[hq, rows, None]).mul_(p)
-                ds.mul_(scale)
-                dq[hq, rows] = pat.mm(ds, kh[h])
-                dk[h] += pat.mm_t(ds, qh[hq, rows])
-                dv[h] += pat.mm_t(p, doh[hq, rows])
-        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1), None, None
-
-
-def _heads(x: torch.Tensor) -> torch.Tensor:
-    """``[N, H, D] -> [H, N, D]`` contiguous: each head's rows are one dense matrix."""
-    return x.transpose(0, 1).contiguous()
-
-
-@full_precision
-def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_probs: bool = False):
-    """Attention of each query over its selected keys: ``o [B, Tq, HQ, DV]`` (dtype of q).
-
-    As :func:`megabase.kernels.dsa.reference.sparse_attention` (``k, v`` may hold more keys than
-    there are queries); ``block_q`` is accepted for the shared signature, rows are blocked by
-    :data:`ENTRIES`.
-    """
-    B, Tq, HQ, D = q.shape
-    Tk, H = k.shape[1], k.shape[2]
-    if HQ % H:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
-    scale = D**-0.5 if scale is None else scale
-    K = indices.shape[-1]
-    o, probs = _SparseAttention.apply(q.float().reshape(B * Tq, HQ, D),
-                                      k.float().reshape(B * Tk, H, D),
-                                      v.float().reshape(B * Tk, H, v.shape[-1]),
-                                      _within_keys(indices, Tk), scale)
-    o = o.reshape(B, Tq, HQ, -1).to(q.dtype)
-    if not return_probs:
-        return o
-    return o, torch.nn.functional.pad(probs.reshape(B, Tq, -1), (0, K - probs.shape[-1]))
-
-
-def _within_keys(indices: torch.Tensor, Tk: int) -> torch.Tensor:
-    """The first ``Tk`` slots when ``topk > Tk``: a query sees at most ``Tk`` distinct keys, the
-    rest are -1, and a CSR row may not hold more slots than there are columns."""
-    return indices[..., :Tk] if indices.shape[-1] > Tk else indices
-
-
-class _SparseKL(torch.autograd.Function):
-    """Summed ``KL(p || softmax(I))`` over the selected sets, gradients by hand.
-
-    ``q_idx [R, HI, DI]``, ``k_idx [C, DI]``, ``w_idx [R, HI]``, ``target [R, K]`` -> scalar.
-    """
-
-    @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, indices, target, scale):
-        total = q_idx.new_zeros(())
-        for rows, pat in _blocks(indices, k_idx.shape[0] // indices.shape[0]):
-            _, logq = _index_scores(pat, q_idx[rows], k_idx, w_idx[rows], scale)
-            p = target[rows].masked_fill(~pat.valid, 0.0)
-            total += torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), 0.0).sum()
-        ctx.save_for_backward(q_idx, k_idx, w_idx, indices, target)
-        ctx.scale = scale
-        return total
-
-    @staticmethod
-    @full_precision
-    def backward(ctx, grad):
-        q_idx, k_idx, w_idx, indices, target = ctx.saved_tensors
-        scale = ctx.scale
-        dq, dk, dw = torch.empty_like(q_idx), torch.zeros_like(k_idx), torch.empty_like(w_idx)
-        for rows, pat in _blocks(indices, k_idx.shape[0] // indices.shape[0]):
-            heads, logq = _index_scores(pat, q_idx[rows], k_idx, w_idx[rows], scale)
-            p = target[rows].masked_fill(~pat.valid, 0.0)
-            # d/dI of -sum p log softmax(I) = softmax(I) * sum(p) - p; slots off the set have q = 0
-            soft = logq.exp().masked_fill(~pat.valid, 0.0)
-            di = (soft * p.sum(-1, keepdim=True) - p) * grad
-            for j, a in enumerate(heads):
-                dw[rows, j] = (di * a.clamp(min=0)).sum(-1)
-                da = di * w_idx[rows, j, None] * (a > 0) * scale
-                dq[rows, j] = pat.mm(da, k_idx)
-                dk += pat.mm_t(da, q_idx[rows, j])
-        return dq, dk, dw, None, None, None
-
-
-def _index_scores(pat: Pattern, q_idx, k_idx, w_idx, scale):
-    """Per-head pre-activations ``[R, K]`` and ``log softmax`` of the weighted index scores over
-    each row's selected set (``-inf`` off the set)."""
-    heads = [pat.sampled(q_idx[:, j], k_idx, scale) for j in range(q_idx.shape[1])]
-    score = sum(a.clamp(min=0) * w_idx[:, j, None] for j, a in enumerate(heads))
-    return heads, score.masked_fill(~pat.valid, -torch.inf).log_softmax(-1)
-
-
-@full_precision
-def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 0):
-    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
-
-    As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse`; ``w_idx=None`` weighs every
-    index head 1.
-    """
-    B, Tq, HI, DI = q_idx.shape
-    Tk = k_idx.shape[1]
-    scale = DI**-0.5 if scale is None else scale
-    w = q_idx.new_ones(B, Tq, HI) if w_idx is None else w_idx
-    indices = _within_keys(indices, Tk)
-    target = target[..., : indices.shape[-1]]
-    total = _SparseKL.apply(q_idx.float().reshape(B * Tq, HI, DI), k_idx.float().reshape(B * Tk, DI),
-                            w.float().reshape(B * Tq, HI), indices, target.float().reshape(B * Tq, -1),
-                            scale)
-    return total / max(B * Tq, 1)
-
+from . import csr, reference
 
 VW = 16  # keys per vector in indexer.c
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def _native_indexer():
-    lib = native.load(str(Path(__file__).with_name("indexer.c")))
-    if lib is not None and not hasattr(lib.megabase_dsa_indexer, "_megabase"):
-        f = lib.megabase_dsa_indexer
-        f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        f.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        f.restype = ctypes.c_int
-        f._megabase = True
-    return None if lib is None else lib.megabase_dsa_indexer
+def _load(name: str, signatures: dict, extra: tuple[str, ...] = ()):
+    lib = native.load(str(Path(__file__).with_name(name)), extra)
+    if lib is not None and not hasattr(lib, "_megabase_typed"):
+        for fn, argtypes in signatures.items():
+            getattr(lib, fn).argtypes = argtypes
+            getattr(lib, fn).restype = ctypes.c_int
+        lib._megabase_typed = True
+    return lib
+
+
+def _indexer_lib():
+    return _load("indexer.c", {
+        "megabase_dsa_indexer": [_P] * 3 + [_I] * 6 + [_F, _I, _I, _P, ctypes.c_int]})
+
+
+def _attention_lib():
+    return _load("attention.c", {
+        "megabase_dsa_attention_forward": [_P] * 4 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
+        "megabase_dsa_attention_backward": [_P] * 7 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
+        "megabase_dsa_indexer_kl": [_P] * 5 + [_I] * 6 + [_F] + [_P] * 4 + [ctypes.c_int],
+    }, native.REASSOCIATE)
+
+
+def available() -> bool:
+    """Whether both C kernels are built (or can be) and enabled."""
+    return _indexer_lib() is not None and _attention_lib() is not None
 
 
 @torch.no_grad()
@@ -266,10 +61,10 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
 
     As :func:`megabase.kernels.dsa.reference.dsa_indexer` (``block_q``/``block_k`` size only the
-    fallback's blocks). CPU tensors; others, or no native kernel, take the reference.
+    fallback's blocks). CPU tensors; others, or no C kernel, take the reference.
     """
-    kernel = _native_indexer() if q_idx.device.type == "cpu" else None
-    if kernel is None:
+    lib = _indexer_lib() if q_idx.device.type == "cpu" else None
+    if lib is None:
         return reference.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q,
                                      block_k, offset)
     B, Tq, HI, DI = q_idx.shape
@@ -280,9 +75,114 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     kb = kb.reshape(B, -1, VW, DI).transpose(2, 3).contiguous()  # [B, Tk / VW, DI, VW]
     w = None if w_idx is None else w_idx.float().contiguous()
     out = torch.empty(B, Tq, topk, dtype=torch.long)
-    status = kernel(q.data_ptr(), kb.data_ptr(), None if w is None else w.data_ptr(), B, Tq, Tk,
-                    HI, DI, topk, scale, keep_recent, offset, out.data_ptr(),
-                    torch.get_num_threads())
+    status = lib.megabase_dsa_indexer(
+        q.data_ptr(), kb.data_ptr(), None if w is None else w.data_ptr(), B, Tq, Tk, HI, DI, topk,
+        scale, keep_recent, offset, out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"the native DSA indexer could not allocate its top-{topk} buffers")
     return out
+
+
+class _Attention(torch.autograd.Function):
+    """``q [B, Tq, HQ, D]``, ``k [B, Tk, H, D]``, ``v [B, Tk, H, DV]`` (fp32, contiguous),
+    ``indices [B, Tq, K]`` -> ``(o [B, Tq, HQ, DV], probs [B, Tq, K])``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale):
+        B, Tq, HQ, D = q.shape
+        Tk, H, DV, K = k.shape[1], k.shape[2], v.shape[-1], indices.shape[-1]
+        o = q.new_empty(B, Tq, HQ, DV)
+        lse = q.new_empty(B, Tq, HQ)
+        probs = q.new_empty(B, Tq, K)
+        status = _attention_lib().megabase_dsa_attention_forward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), indices.data_ptr(), B * Tq, Tq, Tk, HQ, H,
+            D, DV, K, scale, o.data_ptr(), lse.data_ptr(), probs.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the native DSA attention could not allocate its score buffer")
+        ctx.save_for_backward(q, k, v, indices, o, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(probs)
+        return o, probs
+
+    @staticmethod
+    @full_precision
+    def backward(ctx, do, _dprobs):
+        q, k, v, indices, o, lse = ctx.saved_tensors
+        B, Tq, HQ, D = q.shape
+        Tk, H, DV, K = k.shape[1], k.shape[2], v.shape[-1], indices.shape[-1]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        do = do.float().contiguous()
+        _attention_lib().megabase_dsa_attention_backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), indices.data_ptr(), o.data_ptr(),
+            lse.data_ptr(), do.data_ptr(), B * Tq, Tq, Tk, HQ, H, D, DV, K, ctx.scale,
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+        return dq, dk, dv, None, None
+
+
+@full_precision
+def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_probs: bool = False):
+    """Attention of each query over its selected keys: ``o [B, Tq, HQ, DV]`` (dtype of q).
+
+    As :func:`megabase.kernels.dsa.reference.sparse_attention` (``k, v`` may hold more keys than
+    there are queries); ``block_q`` is accepted for the shared signature. No C kernel, or tensors
+    off the CPU: :func:`megabase.kernels.dsa.csr.sparse_attention`.
+    """
+    if q.device.type != "cpu" or _attention_lib() is None:
+        return csr.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    HQ, H = q.shape[2], k.shape[2]
+    if HQ % H:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, probs = _Attention.apply(q.float().contiguous(), k.float().contiguous(),
+                                v.float().contiguous(), indices.contiguous(), scale)
+    o = o.to(q.dtype)
+    return (o, probs) if return_probs else o
+
+
+class _IndexerKL(torch.autograd.Function):
+    """Summed sparse KL; its gradients come out of the same pass and are scaled in backward.
+    ``q_idx [B, Tq, HI, DI]``, ``k_idx [B, Tk, DI]``, ``w_idx [B, Tq, HI]`` or None (fp32,
+    contiguous), ``indices``/``target [B, Tq, K]``."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, w_idx, indices, target, scale):
+        B, Tq, HI, DI = q_idx.shape
+        Tk, K = k_idx.shape[1], indices.shape[-1]
+        total = ctypes.c_double()
+        dq, dk = torch.empty_like(q_idx), torch.empty_like(k_idx)
+        dw = q_idx.new_empty(B, Tq, HI)
+        status = _attention_lib().megabase_dsa_indexer_kl(
+            q_idx.data_ptr(), k_idx.data_ptr(), None if w_idx is None else w_idx.data_ptr(),
+            indices.data_ptr(), target.data_ptr(), B * Tq, Tq, Tk, HI, DI, K, scale,
+            ctypes.byref(total), dq.data_ptr(), dk.data_ptr(), dw.data_ptr(),
+            torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the native DSA indexer loss could not allocate its buffers")
+        ctx.save_for_backward(dq, dk, dw)
+        ctx.weighted = w_idx is not None
+        return q_idx.new_tensor(total.value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dq, dk, dw = ctx.saved_tensors
+        return dq * grad, dk * grad, dw * grad if ctx.weighted else None, None, None, None
+
+
+@full_precision
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 0):
+    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
+
+    As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse`. No C kernel, or tensors off the
+    CPU: :func:`megabase.kernels.dsa.csr.indexer_kl_sparse`.
+    """
+    if q_idx.device.type != "cpu" or _attention_lib() is None:
+        return csr.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+    B, Tq, _, DI = q_idx.shape
+    scale = DI**-0.5 if scale is None else scale
+    w = None if w_idx is None else w_idx.float().contiguous()
+    total = _IndexerKL.apply(q_idx.float().contiguous(), k_idx.float().contiguous(), w,
+                             indices.contiguous(), target.float().contiguous(), scale)
+    return total / max(B * Tq, 1)
+
+
+__all__ = ["available", "dsa_indexer", "indexer_kl_sparse", "sparse_attention"]

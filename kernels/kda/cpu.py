@@ -28,7 +28,7 @@ _F, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def _lib():
-    lib = native.load(str(Path(__file__).with_name("recurrent.c")))
+    lib = native.load(str(Path(__file__).with_name("recurrent.c")), native.REASSOCIATE)
     if lib is not None and not hasattr(lib, "_megabase_typed"):
         lib.megabase_kda_forward.argtypes = [_F] * 6 + [_I] * 5 + [_F] * 3 + [ctypes.c_int]
         lib.megabase_kda_backward.argtypes = [_F] * 8 + [_I] * 5 + [_F] * 6 + [ctypes.c_int]

@@ -1,9 +1,11 @@
-"""The CPU DSA kernels (the CPU default) against the reference.
+"""The CPU DSA kernels (the CPU default: C indexer and attention) and the sparse-matrix fallback
+against the reference.
 
 Sparse attention and the sparse indexer KL: outputs, head-summed probabilities and every gradient
 within the shared tolerance table, at odd lengths, GQA, ``topk`` above and below ``T``, batches, a
-streaming offset (more keys than queries), and with rows split into several blocks. The native
-indexer: the same selected keys, ties included, and the fallback when it cannot be built.
+streaming offset (more keys than queries), queries without keys, and (sparse-matrix form) rows split
+into several blocks. The C indexer: the same selected keys, ties included; the fallback when the
+C kernels cannot be built.
 """
 
 import shutil
@@ -12,28 +14,36 @@ import pytest
 import torch
 
 from megabase.kernels import native
-from megabase.kernels.dsa import cpu, dsa_indexer, indexer_kl_sparse, resolve_backend, sparse_attention
+from megabase.kernels.dsa import cpu, csr, dsa_indexer, reference, resolve_backend, sparse_attention
 from tests.kernels.test_dsa import SHAPES, dense_topk, make
 from tests.kernels.tolerances import assert_close
 
 
-def run(backend, q, k, v, qi, ki, wi, idx):
+IMPLS = {  # the C attention (CPU default), the sparse-matrix fallback, the oracle
+    "cpu": (cpu.sparse_attention, cpu.indexer_kl_sparse),
+    "csr": (csr.sparse_attention, csr.indexer_kl_sparse),
+    "reference": (reference.sparse_attention, reference.indexer_kl_sparse),
+}
+
+
+def run(impl, q, k, v, qi, ki, wi, idx):
     """Forward values and the gradients of a loss that reaches every input."""
+    attention, kl_loss = IMPLS[impl]
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v, qi, ki)]
     w = None if wi is None else wi.detach().clone().requires_grad_()
-    o, p = sparse_attention(*inputs[:3], idx, return_probs=True, backend=backend)
-    kl = indexer_kl_sparse(inputs[3], inputs[4], w, idx, p, backend=backend)
+    o, p = attention(*inputs[:3], idx, return_probs=True)
+    kl = kl_loss(inputs[3], inputs[4], w, idx, p)
     (o.square().sum() + o.sum() + 10 * kl).backward()
     grads = [x.grad for x in inputs] + ([] if w is None else [w.grad])
     return [o.detach(), p, kl.detach(), *grads]
 
 
-def assert_backends_agree(q, k, v, qi, ki, wi, idx):
+def assert_backends_agree(q, k, v, qi, ki, wi, idx, impls=("cpu", "csr")):
     names = ["o", "probs", "kl", "dq", "dk", "dv", "dq_idx", "dk_idx", "dw_idx"]
     ref = run("reference", q, k, v, qi, ki, wi, idx)
-    got = run("cpu", q, k, v, qi, ki, wi, idx)
-    for name, a, b in zip(names, got, ref):
-        assert_close(a, b, name)
+    for impl in impls:
+        for name, a, b in zip(names, run(impl, q, k, v, qi, ki, wi, idx), ref):
+            assert_close(a, b, f"{impl} {name}")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -45,11 +55,11 @@ def test_forward_and_gradients_match_the_reference(shape, weighted):
     assert_backends_agree(q, k, v, qi, ki, wi, idx)
 
 
-def test_rows_split_into_blocks(monkeypatch):
+def test_csr_rows_split_into_blocks(monkeypatch):
     q, k, v, qi, ki, wi = make(2, 53, 4, 2, 8, 2, 4, 6, seed=22)
     idx = dsa_indexer(qi, ki, wi, 6)
-    monkeypatch.setattr(cpu, "ENTRIES", 6 * 17)  # 17 rows a block: blocks cross the batch border
-    assert_backends_agree(q, k, v, qi, ki, wi, idx)
+    monkeypatch.setattr(csr, "ENTRIES", 6 * 17)  # 17 rows a block: blocks cross the batch border
+    assert_backends_agree(q, k, v, qi, ki, wi, idx, impls=("csr",))
 
 
 def test_streaming_offset_more_keys_than_queries():
@@ -69,9 +79,18 @@ def test_real_selection_with_padding_rows_and_auto_choice():
     assert torch.allclose(p.sum(-1), torch.ones(1, 40)) and (p[idx < 0] == 0).all()
 
 
-def test_native_indexer_is_built_where_a_compiler_exists():
+def test_a_query_with_no_key_gets_zeros():
+    q, k, v, *_ = make(2, 9, 2, 1, 8, 2, 4, 3, seed=26)
+    idx = torch.full((2, 9, 3), -1, dtype=torch.long)
+    idx[0, :, 0] = torch.arange(9)
+    for impl in IMPLS:
+        o, p = IMPLS[impl][0](q, k, v, idx, return_probs=True)
+        assert (o[1] == 0).all() and (p[1] == 0).all() and torch.isfinite(o).all(), impl
+
+
+def test_c_kernels_are_built_where_a_compiler_exists():
     if native.enabled() and (shutil.which("cc") or shutil.which("gcc")):
-        assert cpu._native_indexer() is not None
+        assert cpu.available()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -107,7 +126,7 @@ def test_native_build_failure_falls_back_with_one_warning(tmp_path, monkeypatch)
     monkeypatch.setenv("MEGABASE_NATIVE", "0")
     native.load.cache_clear()
     assert native.load(str(bad)) is None
-    assert cpu._native_indexer() is None  # off: the reference indexer runs instead
+    assert not cpu.available()  # off: the reference indexer and the csr attention run instead
     _, _, _, qi, ki, wi = make(1, 40, 1, 1, 4, 2, 3, 5, seed=3)
     assert torch.equal(dsa_indexer(qi, ki, wi, 5, backend="cpu"), dense_topk(qi, ki, wi, 5))
     native.load.cache_clear()
