@@ -40,34 +40,38 @@ static inline int64_t order_key(float v) {
     return bits < 0 ? (int64_t)(bits ^ 0x7FFFFFFF) : (int64_t)bits;
 }
 
-/* The k-th largest (0-based) of x[0..n), by quickselect on the scratch copy tmp. */
+/* The k-th largest (0-based) of x[0..n): radix select, 8 bits at a time from the top, keeping the
+ * candidates of one bucket in tmp (no data-dependent branches per element, unlike quickselect). */
 static int64_t kth_largest(const int64_t *x, int64_t n, int64_t k, int64_t *tmp) {
-    memcpy(tmp, x, (size_t)n * sizeof *tmp);
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int64_t pivot = tmp[lo + (hi - lo) / 2], i = lo, j = hi;
-        while (i <= j) {
-            while (tmp[i] > pivot) i++;
-            while (tmp[j] < pivot) j--;
-            if (i <= j) {
-                int64_t t = tmp[i];
-                tmp[i++] = tmp[j];
-                tmp[j--] = t;
-            }
+    const uint64_t flip = (uint64_t)1 << 63; /* signed order -> unsigned order */
+    const int64_t *src = x;
+    for (int shift = 56; shift >= 0 && n > 1; shift -= 8) {
+        uint32_t hist[256] = {0};
+        for (int64_t i = 0; i < n; i++) hist[(((uint64_t)src[i] ^ flip) >> shift) & 255]++;
+        int b = 255;
+        for (; b > 0 && hist[b] <= (uint64_t)k; b--) k -= hist[b];
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++) { /* branch-free: tmp may be src, m <= i */
+            const int64_t y = src[i];
+            tmp[m] = y;
+            m += ((((uint64_t)y ^ flip) >> shift) & 255) == (uint64_t)b;
         }
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else break;
+        src = tmp;
+        n = m;
     }
-    return tmp[k];
+    return src[0];
 }
 
 /* Keep the topk largest of buf[0..n) in arrival order; returns topk, sets *kth to the k-th. */
 static int64_t compact(int64_t *buf, int64_t n, int64_t topk, int64_t *tmp, int64_t *kth) {
-    *kth = kth_largest(buf, n, topk - 1, tmp);
+    const int64_t floor = kth_largest(buf, n, topk - 1, tmp);
     int64_t m = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (buf[i] >= *kth) buf[m++] = buf[i];
+    for (int64_t i = 0; i < n; i++) { /* branch-free, in place: m <= i */
+        const int64_t y = buf[i];
+        buf[m] = y;
+        m += y >= floor;
+    }
+    *kth = floor;
     return m;
 }
 
