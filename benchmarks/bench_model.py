@@ -2,7 +2,8 @@
 
     python benchmarks/bench_model.py [--only kda,memory,hybrid] [--lengths 65536,262144,1048576]
 
-- kda: ``kda_chunk`` vs ``kda_recurrent``, forward + backward at T = 8192 (target >= 20x).
+- kda: the PyTorch chunk form (``kda_chunk_torch``) and the C recurrence (``kda_chunk`` on CPU)
+  vs the PyTorch recurrence ``kda_recurrent``, forward + backward at T = 8192 (target >= 20x).
 - memory: the ``debug`` preset, one forward + backward with per-layer recompute at each length, each
   in a fresh process; peak RSS per token at the longest vs the shortest length (target <= 1.3x),
   on real bases of the bundled genome.
@@ -29,7 +30,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-from megabase.kernels.kda import kda_chunk, kda_recurrent  # noqa: E402
+from megabase.kernels.kda import cpu as kda_cpu  # noqa: E402
+from megabase.kernels.kda import kda_chunk_torch, kda_recurrent  # noqa: E402
 from megabase.model import build_model, get_preset  # noqa: E402
 from megabase.model.layers import RMSNorm, SwiGLU  # noqa: E402
 from megabase.pipeline.memory import apply_recompute  # noqa: E402
@@ -53,11 +55,16 @@ def step_time(fn, inputs) -> float:
 
 
 def bench_kda(T: int = 8192) -> dict:
-    for fn in (kda_chunk, kda_recurrent):  # warm up allocators and kernels
+    forms = {"chunk": kda_chunk_torch, "recurrent": kda_recurrent}
+    if kda_cpu.available():
+        forms["c"] = kda_cpu.kda_recurrent
+    for fn in forms.values():  # warm up allocators and kernels (and build the C kernel)
         step_time(fn, kda_inputs(256))
-    chunk = min(step_time(kda_chunk, kda_inputs(T)) for _ in range(3))
-    recurrent = step_time(kda_recurrent, kda_inputs(T))
-    return {"T": T, "chunk_s": chunk, "recurrent_s": recurrent, "speedup": recurrent / chunk}
+    out = {"T": T}
+    for name, fn in forms.items():
+        reps = 1 if name == "recurrent" else 3
+        out[f"{name}_s"] = min(step_time(fn, kda_inputs(T)) for _ in range(reps))
+    return out
 
 
 def real_tokens(T: int) -> torch.Tensor:
@@ -188,8 +195,13 @@ def main() -> None:
           flush=True)
     if "kda" in only:
         r = bench_kda()
-        print(f"kda fwd+bwd T={r['T']}: chunk {r['chunk_s']:.3f} s, recurrent {r['recurrent_s']:.3f} s"
-              f" -> ratio recurrent/chunk {r['speedup']:.1f}x (target >= 20)", flush=True)
+        print(f"kda fwd+bwd T={r['T']}: PyTorch recurrent {r['recurrent_s']:.3f} s, PyTorch chunk "
+              f"{r['chunk_s']:.3f} s -> ratio recurrent/chunk {r['recurrent_s'] / r['chunk_s']:.1f}x "
+              "(target >= 20)", flush=True)
+        if "c_s" in r:
+            print(f"  C recurrence (kda_chunk's CPU default) {r['c_s']:.3f} s -> "
+                  f"{r['recurrent_s'] / r['c_s']:.1f}x the PyTorch recurrence, "
+                  f"{r['chunk_s'] / r['c_s']:.1f}x the PyTorch chunk form", flush=True)
     if "memory" in only:
         print("debug preset, forward+backward, recompute=layer:", flush=True)
         rows = bench_memory([int(x) for x in args.lengths.split(",")])
