@@ -137,9 +137,10 @@ def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int
 
     With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
     piece by piece, carrying KDA states, conv tails and DSA caches, and gives the same numbers as
-    the full pass (bit for bit on CPU). State is committed only at multiples of ``ROW_TILE``
-    positions, where every canonical tile of the full pass begins; the tokens of an unfinished tile
-    are recomputed with the next piece (at most ``ROW_TILE - 1`` tokens of extra work per piece).
+    the full pass (on CPU all but a few tokens bit for bit; see the README). State is committed only
+    at multiples of ``ROW_TILE`` positions, where every canonical tile of the full pass begins; the
+    tokens of an unfinished tile are recomputed with the next piece (at most ``ROW_TILE - 1`` tokens
+    of extra work per piece).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     T = inputs.shape[1]
