@@ -161,10 +161,10 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_prob
                                       k.float().reshape(B * Tk, H, D),
                                       v.float().reshape(B * Tk, H, v.shape[-1]),
                                       _within_keys(indices, Tk), scale)
-    o = o.reshape(B, Tq, HQ, -1).to(q.dtype)
+    o = o.reshape(B, Tq, HQ, v.shape[-1]).to(q.dtype)
     if not return_probs:
         return o
-    return o, torch.nn.functional.pad(probs.reshape(B, Tq, -1), (0, K - probs.shape[-1]))
+    return o, torch.nn.functional.pad(probs.reshape(B, Tq, probs.shape[-1]), (0, K - probs.shape[-1]))
 
 
 def _within_keys(indices: torch.Tensor, Tk: int) -> torch.Tensor:

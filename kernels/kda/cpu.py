@@ -92,6 +92,12 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     HV, V = v.shape[2], v.shape[-1]
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
+    # the C kernel reads these layouts unchecked
+    if k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, HV, K) or \
+            beta.shape != (B, T, HV) or (initial_state is not None
+                                         and initial_state.shape != (B, HV, K, V)):
+        raise ValueError(f"KDA inputs do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
     scale = K**-0.5 if scale is None else scale
 
     def heads(x, repeat=1):  # [B, T, h, *] -> [B * HV, T, *]

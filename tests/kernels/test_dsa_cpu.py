@@ -130,3 +130,20 @@ def test_native_build_failure_falls_back_with_one_warning(tmp_path, monkeypatch)
     _, _, _, qi, ki, wi = make(1, 40, 1, 1, 4, 2, 3, 5, seed=3)
     assert torch.equal(dsa_indexer(qi, ki, wi, 5, backend="cpu"), dense_topk(qi, ki, wi, 5))
     native.load.cache_clear()
+
+
+def test_inputs_the_c_kernels_would_misread_are_clear_errors():
+    q, k, v, qi, ki, wi = make(1, 20, 2, 1, 8, 2, 4, 5, seed=27)
+    idx = dsa_indexer(qi, ki, wi, 5)
+    with pytest.raises(ValueError, match="only 20 keys"):
+        cpu.sparse_attention(q, k, v, idx.clamp(max=0) + 20)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.sparse_attention(q, k, v, idx[:, :10])
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.indexer_kl_sparse(qi, ki, wi, idx, torch.ones(1, 20, 4))
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.dsa_indexer(qi, ki[:, :10], wi, 5)
+    o, p = cpu.sparse_attention(q[:, :0], k, v, idx[:, :0], return_probs=True)  # no queries
+    assert o.shape == (1, 0, 2, 8) and p.shape == (1, 0, 5)
+    o32 = cpu.sparse_attention(q, k, v, idx.int())  # int32 indices are taken as positions
+    assert_close(o32, reference.sparse_attention(q, k, v, idx), "o, int32 indices")

@@ -134,3 +134,13 @@ def test_final_state_alone_equals_the_full_pass(T, segment, monkeypatch):
     assert_close(s_alone, s_full, "state")
     for a, b in zip(g_alone, g_full):
         assert_close(a, b, "grad")
+
+
+def test_c_kernel_rejects_mismatched_layouts():
+    if not cpu.available():
+        pytest.skip("no C compiler")
+    q, k, v, g, beta, s0 = make(1, 30, 2, 2, 8, 8, seed=6)
+    with pytest.raises(ValueError, match="do not match"):
+        kda_chunk(q, k, v, g[:, :, :1], beta, backend="cpu")
+    with pytest.raises(ValueError, match="do not match"):
+        kda_chunk(q, k, v, g, beta, initial_state=s0[:, :, :4], backend="cpu")
