@@ -1,7 +1,7 @@
 """Small C kernels for the CPU, compiled on first use with the system C compiler and cached.
 
 A kernel is one C file next to its Python wrapper. :func:`load` builds it with
-``cc -O3 -march=native -fopenmp -shared`` into ``$MEGABASE_CACHE/native`` (default
+``cc -O3 -march=native -fopenmp -shared`` (or fewer flags, see :data:`VARIANTS`) into ``$MEGABASE_CACHE/native`` (default
 ``~/.cache/megabase/native``) under a name hashing the source, the flags, the compiler's version
 and the CPU's feature flags, so a cache shared by several machines never runs code built for
 another CPU. Builds write a temporary file and rename it: processes that build at once (ranks of
@@ -22,7 +22,10 @@ import tempfile
 import warnings
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC")
+# tried in order: the CPU's own vector units and threads, then without OpenMP (a compiler without
+# its runtime: one thread), then without -march=native (a compiler that cannot target the host)
+VARIANTS = (("-march=native", "-fopenmp"), ("-march=native",), ())
 
 
 def enabled() -> bool:
@@ -64,8 +67,9 @@ def load(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return _give_up(src, f"{cc} --version failed: {err}")
-    for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. clang lacking libomp): one thread
-        flags = FLAGS + tuple(extra) + openmp
+    last = "no build variant tried"
+    for variant in VARIANTS:
+        flags = FLAGS + tuple(extra) + variant
         key = hashlib.sha256("\0".join([src.read_text(), *flags, version, _cpu_flags()]).encode())
         out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
         if not out.exists():
