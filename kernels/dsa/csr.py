@@ -1,9 +1,9 @@
 """Sparse attention and the sparse indexer loss as sparse-matrix products (plain PyTorch).
 
 Same signatures and results as :mod:`megabase.kernels.dsa.reference` (the oracle), another
-evaluation order; the CPU path where the C kernels cannot be built. A selection ``indices [B, Tq, topk]`` is the pattern of a CSR
-matrix with exactly ``topk`` slots per query row (-1 slots point at a valid key and carry 0 or
-``-inf``). Scores over the selected keys are a sampled dense-dense product
+evaluation order; the CPU path where the C kernels cannot be built. A selection
+``indices [B, Tq, topk]`` is the pattern of a CSR matrix with exactly ``topk`` slots per query row
+(-1 slots point at a valid key and carry 0 or ``-inf``). Scores over the selected keys are a sampled dense-dense product
 (``torch.sparse.sampled_addmm``), the weighted sums of values and the gradients of queries are
 sparse x dense products, and the gradients of keys and values use the transposed pattern, built
 by one stable sort of the column indices in the backward. No gathered ``[Tq, topk, H, D]``

@@ -6,8 +6,9 @@
  * every key arrives older than all kept ones: once topk are held, a key enters only if its score is
  * strictly above the current k-th (a tie loses to the more recent key already held). Candidates are
  * one int64 each, order_key(score) * 2^32 + position, kept in arrival order; when the buffer fills,
- * the k-th largest is found on a copy and the buffer filtered in place. Arrival order is descending
- * position, so the output needs no sort. Scores never exist beyond one block of keys.
+ * the k-th largest is found by radix select and the buffer filtered in place. Arrival order is
+ * descending position, so the output needs no sort. Scores never exist beyond one block of keys.
+ * Positions must stay below 2^32.
  *
  * Layouts (fp32, contiguous): q [R, HI, DI]; kb [B, ceil(Tk / VW), DI, VW], the keys in blocks of VW
  * (zero-padded), each block transposed so that one dimension of VW keys is one vector; w [R, HI]
