@@ -1,8 +1,8 @@
 """Small C kernels for the CPU, compiled on first use with the system C compiler and cached.
 
 A kernel is one C file next to its Python wrapper. :func:`load` builds it with
-``cc -O3 -march=native -fopenmp -shared`` (or fewer flags, see :data:`VARIANTS`) into ``$MEGABASE_CACHE/native`` (default
-``~/.cache/megabase/native``) under a name hashing the source, the flags, the compiler's version
+``cc -O3 -march=native -fopenmp -shared`` (or fewer flags, see :data:`VARIANTS`) into
+``$MEGABASE_CACHE/native`` (default ``~/.cache/megabase/native``) under a name hashing the source, the flags, the compiler's version
 and the CPU's feature flags, so a cache shared by several machines never runs code built for
 another CPU. Builds write a temporary file and rename it: processes that build at once (ranks of
 one job) do not see half a library. No compiler or a failed build: :func:`load` returns None after
@@ -82,6 +82,18 @@ def load(source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         except OSError as err:
             last = str(err)
     return _give_up(src, last)
+
+
+def bind(source: str, signatures: dict[str, list], extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """:func:`load`, with the argument types of each of its ``signatures`` (function name -> ctypes
+    argument types; every function returns a C ``int``) set once."""
+    lib = load(source, extra)
+    if lib is not None and not hasattr(lib, "_megabase_typed"):
+        for name, argtypes in signatures.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = ctypes.c_int
+        lib._megabase_typed = True
+    return lib
 
 
 def _build(cc: str, src: Path, flags: tuple[str, ...], out: Path) -> str | None:

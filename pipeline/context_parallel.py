@@ -107,9 +107,9 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
 
 
 def _shard_map(q, k, v, g, beta, cp: ContextParallel, backend: str) -> torch.Tensor:
-    """This shard's ``[C | M]`` (``[B, HV, K, V + K]``, fp32), as far as later ranks use it: rank 0
-    starts from zero, so its ``M`` is never used (only ``C``, a pass at the values' width); the
-    last rank's map is used by no one (zeros)."""
+    """This shard's ``[C | M]`` (``[B, HV, K, V + K]``, the KDA op's state dtype), as far as later
+    ranks use it: rank 0 starts from zero, so its ``M`` is never used (only ``C``, a pass at the
+    values' width); the last rank's map is used by no one (zeros)."""
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cp.rank == cp.size - 1:

@@ -2,12 +2,12 @@
 
 Three implementations with one signature: the plain-PyTorch reference
 (:mod:`megabase.kernels.dsa.reference`, the test oracle), the CPU kernels
-(:mod:`megabase.kernels.dsa.cpu`, the CPU default: a fused C indexer, sparse attention and the
-sparse indexer loss as sparse-matrix products) and Triton kernels
+(:mod:`megabase.kernels.dsa.cpu`, the CPU default: indexer, sparse attention and the sparse indexer
+loss in C, with sparse-matrix products where no C compiler is found) and Triton kernels
 (:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
-``"reference"``, ``"cpu"`` or ``"triton"``; Triton on
-CPU tensors runs under ``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes
-follow ``fla.ops.dsa.naive_dsa``.
+``"reference"``, ``"cpu"`` or ``"triton"``; Triton on CPU tensors runs under
+``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes follow
+``fla.ops.dsa.naive_dsa``.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
     ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
     impl = _impl(backend, q_idx)
-    if impl is not cpu and impl is not reference:
-        return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
-    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k, offset)
+    if impl in (cpu, reference):
+        return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k,
+                                offset)
+    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
@@ -66,9 +67,9 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
     (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
     impl = _impl(backend, q)
-    if impl is not cpu and impl is not reference:
-        return impl.sparse_attention(q, k, v, indices, scale, return_probs)
-    return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    if impl in (cpu, reference):
+        return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    return impl.sparse_attention(q, k, v, indices, scale, return_probs)
 
 
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):

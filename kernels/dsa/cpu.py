@@ -27,23 +27,13 @@ VW = 16  # keys per vector in indexer.c
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def _load(name: str, signatures: dict, extra: tuple[str, ...] = ()):
-    lib = native.load(str(Path(__file__).with_name(name)), extra)
-    if lib is not None and not hasattr(lib, "_megabase_typed"):
-        for fn, argtypes in signatures.items():
-            getattr(lib, fn).argtypes = argtypes
-            getattr(lib, fn).restype = ctypes.c_int
-        lib._megabase_typed = True
-    return lib
-
-
 def _indexer_lib():
-    return _load("indexer.c", {
+    return native.bind(str(Path(__file__).with_name("indexer.c")), {
         "megabase_dsa_indexer": [_P] * 3 + [_I] * 6 + [_F, _I, _I, _P, ctypes.c_int]})
 
 
 def _attention_lib():
-    return _load("attention.c", {
+    return native.bind(str(Path(__file__).with_name("attention.c")), {
         "megabase_dsa_attention_forward": [_P] * 4 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
         "megabase_dsa_attention_backward": [_P] * 7 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
         "megabase_dsa_indexer_kl": [_P] * 5 + [_I] * 6 + [_F] + [_P] * 4 + [ctypes.c_int],

@@ -31,8 +31,9 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 
 def kda_final_state(q, k, v, g, beta, scale=None, initial_state=None, backend: str = "auto"):
-    """The final state ``[B, HV, K, V]`` (fp32) alone, as :func:`kda_chunk` would return it; the
-    PyTorch path skips the outputs (fla and the C kernel compute and drop them)."""
+    """The final state ``[B, HV, K, V]`` alone (fp32; fp64 from the C kernel), as :func:`kda_chunk`
+    would return it; the PyTorch path skips the outputs (fla and the C kernel compute and drop
+    them)."""
     if _use_fla(backend, q) or _use_cpu(backend, q):
         return kda_chunk(q, k, v, g, beta, scale, initial_state, True, backend)[1]
     return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, True, output=False)[1]

@@ -28,13 +28,10 @@ _F, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def _lib():
-    lib = native.load(str(Path(__file__).with_name("recurrent.c")), native.REASSOCIATE)
-    if lib is not None and not hasattr(lib, "_megabase_typed"):
-        lib.megabase_kda_forward.argtypes = [_F] * 6 + [_I] * 5 + [_F] * 3 + [ctypes.c_int]
-        lib.megabase_kda_backward.argtypes = [_F] * 8 + [_I] * 5 + [_F] * 6 + [ctypes.c_int]
-        lib.megabase_kda_forward.restype = lib.megabase_kda_backward.restype = ctypes.c_int
-        lib._megabase_typed = True
-    return lib
+    return native.bind(str(Path(__file__).with_name("recurrent.c")), {
+        "megabase_kda_forward": [_F] * 6 + [_I] * 5 + [_F] * 3 + [ctypes.c_int],
+        "megabase_kda_backward": [_F] * 8 + [_I] * 5 + [_F] * 6 + [ctypes.c_int],
+    }, native.REASSOCIATE)
 
 
 def available() -> bool:
