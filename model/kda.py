@@ -13,6 +13,8 @@ from megabase.kernels.kda import kda_chunk
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, ShortConv
 
+MEMORY_RANGE = (2.0, 16384.0)  # initial per-channel memory lengths (tokens), log-uniform
+
 
 class KDALayer(nn.Module):
     """``[B, T, d] -> [B, T, d]``; channel-wise decaying delta-rule memory of ``[K, K]`` per head.
@@ -20,8 +22,9 @@ class KDALayer(nn.Module):
     q, k, v: projections -> causal depthwise conv (width ``kda_conv``) + SiLU; q, k L2-normalised
     per head. ``beta = sigmoid(W_b x)``; log-decay ``g = lb * sigmoid(exp(A_log) * (f + dt_bias))``
     with ``f`` a rank-``kda_gate_rank`` projection and ``lb = kda_lower_bound``; output
-    ``o_proj(RMSNorm_head(o) * sigmoid(low-rank gate(x)))``. ``dt_bias`` starts so that decays span
-    ~1e-3..0.1 per token times ``exp(A_log)`` in [1, 16]: memories from a few to many thousand bases.
+    ``o_proj(RMSNorm_head(o) * sigmoid(low-rank gate(x)))``. ``A_log`` starts at 0 and ``dt_bias``
+    so that the channels' memories ``1 / |g|`` are log-uniform over ``MEMORY_RANGE`` (2 to 16,384
+    bases): recent k-mers and long context both have channels from the first step.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -33,9 +36,13 @@ class KDALayer(nn.Module):
         self.b_proj = Linear(d, H)
         self.f_proj = nn.Sequential(Linear(d, r), Linear(r, H * K))
         self.g_proj = nn.Sequential(Linear(d, r), Linear(r, H * K))
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        dt = torch.empty(H * K).uniform_(math.log(1e-3), math.log(0.1)).exp()
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        # Decays start log-uniform over memories of MEMORY_RANGE tokens (|g| = 1 / memory): with
+        # fla's softplus-form init (exp(A_log) in [1, 16], dt in [1e-3, 0.1]) this bounded sigmoid
+        # form gives |g| ~ 1e-15 on most channels, a memory that never forgets anything.
+        self.A_log = nn.Parameter(torch.zeros(H))
+        lo, hi = (math.log(m) for m in MEMORY_RANGE)
+        memory = torch.empty(H * K).uniform_(lo, hi).exp()
+        self.dt_bias = nn.Parameter(torch.logit(1.0 / (memory * -cfg.kda_lower_bound)))
         self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.o_proj = Linear(H * K, d)
 
