@@ -2,7 +2,8 @@
 
 from .bins import BinAccumulator, default_edges
 from .markov import MarkovModel
-from .score import ModelScorer, markov_scorer, recall_probe, truncated
+from .probe import recall_probe
+from .score import ModelScorer, markov_scorer, truncated
 
 __all__ = ["BinAccumulator", "default_edges", "MarkovModel", "ModelScorer", "markov_scorer",
            "recall_probe", "truncated"]

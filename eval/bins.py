@@ -98,3 +98,42 @@ def _entry(nats: np.ndarray, counts: np.ndarray, boot, ci: float) -> dict:
             lo, hi = (float(q) for q in np.quantile(bpb, [(1 - ci) / 2, (1 + ci) / 2]))
     out["bits_per_base_ci"] = [lo, hi]
     return out
+
+
+def paired_gain(base: BinAccumulator, other: BinAccumulator, n_boot: int = 1000, seed: int = 0,
+                ci: float = 0.95) -> list[dict]:
+    """Bits/base of ``other`` minus ``base`` per bin, on the same windows (a control against the
+    model: positive means the model gains from its longer context), overall and repeat / unique,
+    with a paired bootstrap CI: each resample takes the same windows for both, so the window-to-
+    window spread that both curves share cancels."""
+    a_n, a_c = np.stack(base.nats), np.stack(base.counts)
+    b_n, b_c = np.stack(other.nats), np.stack(other.counts)
+    if a_n.shape != b_n.shape:
+        raise ValueError("paired_gain needs the same windows and bins on both sides")
+    rng = np.random.default_rng(seed)
+    boot = rng.integers(0, a_n.shape[0], size=(n_boot, a_n.shape[0])) if n_boot else None
+    q = [(1 - ci) / 2, (1 + ci) / 2]
+
+    def gain(sel):  # sel: [..., 2] -> sum over the chosen kinds
+        def per(n, c):
+            tot_c = c[..., sel].sum(-1)
+            return np.where(tot_c > 0, n[..., sel].sum(-1) / np.maximum(tot_c, 1), np.nan) / LN2
+        return per
+
+    rows = []
+    for i, (lo, hi) in enumerate(zip(base.edges, base.edges[1:])):
+        row = {"context_lo": lo, "context_hi": hi}
+        for name, sel in (("all", [0, 1]), ("unique", [0]), ("repeat", [1])):
+            f = gain(sel)
+            value = f(b_n[:, i].sum(0), b_c[:, i].sum(0)) - f(a_n[:, i].sum(0), a_c[:, i].sum(0))
+            entry = {"gain_bits_per_base": None if np.isnan(value) else float(value),
+                     "n_tokens": int(a_c[:, i][:, sel].sum()), "ci": [None, None]}
+            if boot is not None and entry["gain_bits_per_base"] is not None:
+                diff = f(b_n[:, i][boot].sum(1), b_c[:, i][boot].sum(1)) - \
+                    f(a_n[:, i][boot].sum(1), a_c[:, i][boot].sum(1))
+                diff = diff[~np.isnan(diff)]
+                if diff.size:
+                    entry["ci"] = [float(x) for x in np.quantile(diff, q)]
+            row[name] = entry
+        rows.append(row)
+    return rows

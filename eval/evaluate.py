@@ -10,10 +10,11 @@ import numpy as np
 from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import parse_region
 
-from .bins import check_edges, default_edges
+from .bins import check_edges, default_edges, paired_gain
 from .markov import MarkovModel
-from .report import score_series, write_report
-from .score import ModelScorer, markov_scorer, recall_probe, truncated
+from .probe import probe_distances, recall_probe
+from .report import accumulate, score_series, write_report
+from .score import ModelScorer, markov_scorer, truncated
 from .tracking import DEFAULT_EXPERIMENT, abandon_run, log_report, open_run
 
 
@@ -45,15 +46,18 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
              windows: str | Path | None = None, split: str = "eval",
              regions: tuple[str, ...] = ("chr22",), length: int | None = None,
              edges: list[int] | None = None, controls: tuple[int, ...] = (1_000,),
-             probe: bool = True, baselines: tuple[int, ...] = (), train: tuple[str, ...] = (),
+             probe: bool = True, probe_windows: int = 32,
+             baselines: tuple[int, ...] = (), train: tuple[str, ...] = (),
              segment: int = 65_536, n_boot: int = 1000, seed: int = 0,
              progress: bool = True, mlflow_run: str | None = None,
              experiment: str | None = None, tracking_uri: str | None = None,
              track: bool = True) -> dict:
     """Score a checkpoint on held-out windows; write report.json/csv/png into ``out``.
 
-    ``controls``: context limits for the truncation control; ``baselines``: Markov orders fitted
-    on ``train`` regions and scored on the same windows; ``probe``: the in-context recall probe.
+    ``controls``: context limits for the truncation control, each with the model's paired gain
+    over it per bin (``context_gain``); ``baselines``: Markov orders fitted on ``train`` regions
+    and scored on the same windows (the best of them in ``best_baseline``); ``probe``: the
+    in-context recall probe, ``probe_windows`` windows per distance.
     MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
     (``config.json`` key ``mlflow``), else to a new run of ``experiment`` when one is named;
     ``track=False`` logs nothing.
@@ -84,27 +88,45 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
     if baselines and not train:
         raise InputError("--baseline needs --train regions to fit the Markov models on")
     scorer = ModelScorer(model, segment)
+    with scorer.counting_load() as load:
+        scored = accumulate(scorer, store, wins, edges, progress, "model")
     report = {"name": f"model {Path(checkpoint).name}", "checkpoint": str(Path(checkpoint).resolve()),
               "data": str(Path(data).resolve()), "split": split, "n_windows": len(wins),
               "window_length": longest, "edges": edges,
-              **score_series(scorer, store, wins, edges, n_boot, seed, progress, "model")}
-    report["controls"] = {
-        str(c): score_series(truncated(scorer, c), store, wins, edges, n_boot, seed, progress,
-                             f"control <= {c}")
-        for c in controls if c < longest
-    }
+              **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
+    report["controls"], report["context_gain"] = {}, {}
+    for c in controls:
+        if c < longest:
+            control = accumulate(truncated(scorer, c), store, wins, edges, progress,
+                                 f"control <= {c}")
+            report["controls"][str(c)] = control.summary(n_boot=n_boot, seed=seed)
+            report["context_gain"][str(c)] = paired_gain(scored, control, n_boot, seed)
     report["baselines"] = {
         f"markov order {k}": score_series(markov_scorer(fit_markov(store, k, list(train))), store,
                                           wins, edges, n_boot, seed, progress, f"markov {k}")
         for k in baselines
     }
+    if report["baselines"]:
+        best = min(report["baselines"], key=lambda k: report["baselines"][k]["overall"]["bits_per_base"])
+        report["best_baseline"] = {"name": best,
+                                   "bits_per_base": report["baselines"][best]["overall"]["bits_per_base"]}
     if probe:
         held_out = np.concatenate(region_tokens(store, list(regions)))
-        distances = [d for d in (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000) if d < longest]
-        report["probe"] = recall_probe(scorer, held_out, distances, seed=seed)
+        report["probe"] = recall_probe(scorer, held_out, probe_distances(longest, 200),
+                                       n_per_distance=probe_windows, seed=seed, n_boot=n_boot)
     report["seconds"] = time.perf_counter() - started
     out = Path(out) if out else Path(checkpoint) / "eval"
     return _finish(report, out, tracking)
+
+
+def moe_load_summary(load) -> list[dict]:
+    """Per MoE layer, over the held-out windows: max/mean routed load, idle experts, the counts."""
+    out = []
+    for i, row in enumerate(load.tolist()):
+        mean = sum(row) / len(row) if row else 0.0
+        out.append({"layer": i, "max_over_mean": max(row) / mean if mean else None,
+                    "idle_experts": sum(1 for c in row if c == 0), "tokens": [int(c) for c in row]})
+    return out
 
 
 def _finish(report: dict, out: Path, tracking: dict | None) -> dict:

@@ -28,6 +28,13 @@ ANCHORS = {
 def score_series(scorer, store, windows, edges, n_boot: int = 1000, seed: int = 0,
                  progress: bool = True, desc: str = "scoring") -> dict:
     """Score every window with ``scorer`` and bin it: ``{"bins", "overall", "n_windows"}``."""
+    return accumulate(scorer, store, windows, edges, progress, desc).summary(n_boot=n_boot,
+                                                                             seed=seed)
+
+
+def accumulate(scorer, store, windows, edges, progress: bool = True,
+               desc: str = "scoring") -> BinAccumulator:
+    """Score every window with ``scorer``: the per-window sums of each bin."""
     from tqdm import tqdm
 
     acc = BinAccumulator(list(edges))
@@ -37,7 +44,7 @@ def score_series(scorer, store, windows, edges, n_boot: int = 1000, seed: int = 
         nll = scorer(tokens)
         scored = ~np.isnan(nll)
         acc.add_window(np.nan_to_num(nll), scored, mask)
-    return acc.summary(n_boot=n_boot, seed=seed)
+    return acc
 
 
 def series(report: dict) -> dict[str, dict]:

@@ -1,5 +1,5 @@
-"""Scoring held-out windows: per-base NLL from a model or a baseline, the truncation control, the
-in-context recall probe.
+"""Scoring held-out windows: per-base NLL from a model or a baseline, the truncation control (the
+recall probe is in :mod:`megabase.eval.probe`).
 
 A *scorer* maps a window's tokens (``uint8 [n]``) to per-base NLL in nats (``float64 [n]``, NaN
 where the target is not A/C/G/T); the target at offset ``i`` is predicted from the ``i`` bases
@@ -9,6 +9,7 @@ before it in the same window (and a ``<sep>`` start token for the model).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -24,6 +25,28 @@ class ModelScorer:
 
     def __init__(self, model, segment: int | None = None):
         self.model, self.segment = model.eval(), segment
+
+    @contextmanager
+    def counting_load(self):
+        """Yields a ``[n_moe_layers, E]`` tensor that counts the tokens each expert is routed while
+        the block runs (a streamed window's replayed tile boundaries, < 1,024 tokens per piece, are
+        counted twice)."""
+        from megabase.model.moe import MoE
+
+        layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        load = torch.zeros(len(layers), self.model.cfg.n_experts)
+
+        def hook(i):
+            def add(module, args, out):
+                load[i] += out[2][:, 0].cpu()
+            return add
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+        try:
+            yield load
+        finally:
+            for h in handles:
+                h.remove()
 
     @torch.no_grad()
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
@@ -63,43 +86,3 @@ def truncated(scorer: Scorer, limit: int) -> Scorer:
         return out
 
     return score
-
-
-def recall_windows(tokens: np.ndarray, distances: list[int], copy_len: int, n_per_distance: int,
-                   seed: int = 0) -> Iterator[tuple[int, np.ndarray, int]]:
-    """Probe windows cut from real held-out sequence: ``window[d : d+m]`` is replaced by a copy of
-    ``window[0 : m]``, so the same ``m`` bases appear twice, ``d`` bases apart.
-
-    Yields ``(d, window, m)``. Only stretches without ``N`` are used.
-    """
-    rng = np.random.default_rng(seed)
-    clean = tokens < N_BASES
-    for d in distances:
-        length = d + copy_len
-        if length > len(tokens):
-            continue
-        bad = np.concatenate([[0], np.cumsum(~clean)])
-        starts = np.flatnonzero(bad[length:] - bad[:-length] == 0)
-        if len(starts) == 0:
-            continue
-        for start in rng.choice(starts, size=min(n_per_distance, len(starts)), replace=False):
-            window = np.array(tokens[start : start + length])
-            window[d:] = window[:copy_len]
-            yield d, window, copy_len
-
-
-def recall_probe(scorer: Scorer, tokens: np.ndarray, distances: list[int], copy_len: int = 200,
-                 n_per_distance: int = 4, seed: int = 0) -> list[dict]:
-    """Bits/base on the first and second copy, per distance ``d``. A model that uses context
-    ``>= d`` predicts the second copy far better than the first."""
-    rows: dict[int, list[np.ndarray]] = {}
-    for d, window, m in recall_windows(tokens, distances, copy_len, n_per_distance, seed):
-        nll = scorer(window)
-        rows.setdefault(d, []).append(np.array([np.nansum(nll[:m]), np.nansum(nll[d : d + m]), m]))
-    out = []
-    for d in sorted(rows):
-        first, second, m = np.sum(rows[d], axis=0)
-        out.append({"distance": d, "copy_length": copy_len, "n_windows": len(rows[d]),
-                    "first_copy_bits_per_base": first / m / np.log(2),
-                    "second_copy_bits_per_base": second / m / np.log(2)})
-    return out

@@ -6,7 +6,10 @@ The tracking store is always a database (``sqlite:///path/mlflow.db``) or a serv
 (``<db dir>/mlartifacts``), never in the working directory.
 
 What a report logs to a run: one metric per context bin (``eval/bits_per_base/ctx_LO-HI``), the
-overall numbers, the same per bin for every control, the overall number of every baseline,
+overall numbers, the same per bin for every control and the model's paired gain over it
+(``eval/gain_over_control_C/{all,unique,repeat}/ctx_LO-HI``, with ``/ci_lo`` and ``/ci_hi``), the
+overall number of every baseline, the recall probe per distance (``eval/probe/d_D/...``, with the
+DSA hit rates per layer), the held-out MoE load per layer (``eval/moe_load_max_over_mean/layer_i``),
 ``eval/bits_per_base_by_context`` with the bin's upper edge as step (MLflow draws it as the curve),
 the table of every series and bin (``eval/bins.json``, read back with ``mlflow.load_table``), and
 ``report.json``, ``report.csv`` and ``report.png`` under ``eval/``.
@@ -103,6 +106,22 @@ def report_metrics(report: dict) -> dict[str, float]:
         add(f"eval/control_{limit}", summary, per_bin=True)
     for name, summary in report.get("baselines", {}).items():
         add("eval/baseline/" + name.replace(" ", "_"), summary, per_bin=False)
+    for limit, rows in report.get("context_gain", {}).items():
+        for row in rows:
+            for part in ("all", "unique", "repeat"):
+                g = row[part]
+                key = f"eval/gain_over_control_{limit}/{part}/{bin_key(row)}"
+                out[key] = g["gain_bits_per_base"]
+                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+    for row in report.get("probe", []):
+        d = row["distance"]
+        for field in ("first_copy_bits_per_base", "second_copy_bits_per_base", "gain_bits_per_base"):
+            out[f"eval/probe/d_{d}/{field}"] = row[field]
+        for i, rate in enumerate(row.get("dsa_hit_rate") or []):
+            out[f"eval/probe/d_{d}/dsa_hit_rate/layer_{i}"] = rate
+    for row in report.get("moe_load", []):
+        out[f"eval/moe_load_max_over_mean/layer_{row['layer']}"] = row["max_over_mean"]
+        out[f"eval/moe_idle_experts/layer_{row['layer']}"] = float(row["idle_experts"])
     return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
 
 

@@ -24,6 +24,7 @@ class ModelConfig:
     vocab_size: int = 8  # the 7 tokens of megabase.data.vocab, padded to a multiple of 8
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
+    mixer: str = "hybrid"  # hybrid: KDA / DSA by dsa_period; attention: full causal attention (dense baseline)
     dsa_period: int = 4
     # Kimi Delta Attention
     kda_heads: int = 2
@@ -39,6 +40,8 @@ class ModelConfig:
     index_dim: int = 16
     topk: int = 64
     keep_recent: int = 0
+    dsa_conv: int = 0  # causal depthwise conv width over the DSA projections (0: none)
+    rope_base: float = 500000.0  # rotary base of the attention mixer (DSA layers use no positions)
     indexer_mode: str = "sparse"
     indexer_loss_weight: float = 0.01
     # Mixture of Experts
@@ -49,7 +52,8 @@ class ModelConfig:
     routed_scale: float = 1.0
     dense_layers: int = 0
     dense_dim: int = 128
-    bias_update_rate: float = 1e-3
+    bias_update: str = "quantile"  # quantile | sign (DeepSeek-V3) | proportional: MoE.update_bias
+    bias_update_rate: float = 0.5  # quantile: fraction of the solved step; else the bias step size
     seq_aux_weight: float = 0.0
     # Memory knobs that live in the model (recompute and offload are applied from pipeline/)
     moe_chunk: int = 16384
@@ -70,7 +74,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim"):
+        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_conv"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.vocab_size < VOCAB_SIZE:
@@ -86,25 +90,36 @@ class ModelConfig:
         if self.experts_per_token > self.n_experts:
             raise InputError(f"model.experts_per_token ({self.experts_per_token}) exceeds "
                              f"model.n_experts ({self.n_experts})")
+        if not self.bias_update_rate >= 0 or (self.bias_update == "quantile" and self.bias_update_rate > 1):
+            raise InputError(f"model.bias_update_rate must be >= 0 (and <= 1 for the quantile "
+                             f"update), got {self.bias_update_rate!r}")
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
         choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "cpu", "fla"),
-                   "dsa_backend": ("auto", "reference", "cpu", "triton")}
+                   "dsa_backend": ("auto", "reference", "cpu", "triton"),
+                   "bias_update": ("quantile", "sign", "proportional"), "mixer": ("hybrid", "attention")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"model.{name} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
 
     def is_dsa(self, layer: int) -> bool:
-        return self.dsa_period > 0 and layer % self.dsa_period == self.dsa_period - 1
+        return self.mixer == "hybrid" and self.dsa_period > 0 and \
+            layer % self.dsa_period == self.dsa_period - 1
+
+    def mixer_kind(self, layer: int) -> str:
+        """``"kda"``, ``"dsa"`` or ``"attention"``: the mixer of layer ``layer``."""
+        if self.mixer == "attention":
+            return "attention"
+        return "dsa" if self.is_dsa(layer) else "kda"
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.dense_layers
 
     @property
     def layer_kinds(self) -> str:
-        """e.g. ``"KKKD"``: K for KDA, D for DSA, one letter per layer."""
-        return "".join("D" if self.is_dsa(i) else "K" for i in range(self.n_layers))
+        """e.g. ``"KKKD"``: K for KDA, D for DSA, A for full attention, one letter per layer."""
+        return "".join(self.mixer_kind(i)[0].upper() for i in range(self.n_layers))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megabase.data.vocab import N_BASES
 
+from .attention import AttentionLayer
 from .config import ModelConfig
 from .dsa import DSALayer
 from .kda import KDALayer
@@ -25,13 +26,13 @@ from .moe import MoE
 
 
 class Block(nn.Module):
-    """``(x [B, T, d], state) -> (x, aux_loss, expert_load [E])``."""
+    """``(x [B, T, d], state) -> (x, aux_loss, routing stats [E, 1 + N_MARGIN_BINS])``."""
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.kind = "dsa" if cfg.is_dsa(index) else "kda"
+        self.kind = cfg.mixer_kind(index)
         self.norm1, self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = DSALayer(cfg) if self.kind == "dsa" else KDALayer(cfg)
+        self.mixer = {"dsa": DSALayer, "kda": KDALayer, "attention": AttentionLayer}[self.kind](cfg)
         self.ffn = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_dim)
         self.n_experts = cfg.n_experts
 
@@ -41,7 +42,7 @@ class Block(nn.Module):
         if isinstance(self.ffn, MoE):
             y, moe_aux, load = self.ffn(self.norm2(x))
             return x + y, aux + moe_aux, load
-        return x + self.ffn(self.norm2(x)), aux, torch.zeros(self.n_experts, device=x.device)
+        return x + self.ffn(self.norm2(x)), aux, None
 
 
 @dataclass
@@ -49,8 +50,9 @@ class LMOutput:
     """``loss``: mean NLL over scored targets + auxiliary losses (None without targets).
     ``nll [B, T]`` (fp32, detached) for every target, scored or not; ``mask [B, T]``: scored
     targets (A/C/G/T and the caller's loss mask); ``aux_loss``: indexer KL + MoE balance;
-    ``expert_load [n_moe_layers, E]``: routed tokens per expert; ``n_tokens``: scored targets;
-    ``logits [B, T, vocab]`` only when called without targets."""
+    ``expert_load [n_moe_layers, E]``: routed tokens per expert; ``expert_margins
+    [n_moe_layers, E, N_MARGIN_BINS]``: histograms of routing margins (see ``MoE.margins``);
+    ``n_tokens``: scored targets; ``logits [B, T, vocab]`` only when called without targets."""
 
     loss: torch.Tensor | None
     lm_loss: torch.Tensor | None
@@ -60,6 +62,7 @@ class LMOutput:
     expert_load: torch.Tensor
     n_tokens: int
     logits: torch.Tensor | None = None
+    expert_margins: torch.Tensor | None = None
 
 
 class HybridLM(nn.Module):
@@ -98,16 +101,19 @@ class HybridLM(nn.Module):
             aux = aux + block_aux
             if isinstance(block.ffn, MoE):
                 loads.append(load)
-        expert_load = torch.stack(loads) if loads else x.new_zeros(0, self.cfg.n_experts)
+        stats = torch.stack(loads) if loads else x.new_zeros(0, self.cfg.n_experts, 1)
+        expert_load, margins = stats[..., 0], stats[..., 1:]
         if targets is None:
-            return LMOutput(None, None, None, None, aux, expert_load, 0, self._logits(x))
+            return LMOutput(None, None, None, None, aux, expert_load, 0, self._logits(x),
+                            expert_margins=margins)
         nll = self._chunked_nll(x, targets)
         mask = targets.long() < N_BASES
         if loss_mask is not None:
             mask = mask & loss_mask.bool()
         n = int(mask.sum())
         lm_loss = (nll * mask).sum() / max(n, 1)
-        return LMOutput(lm_loss + aux, lm_loss, nll.detach(), mask, aux, expert_load, n)
+        return LMOutput(lm_loss + aux, lm_loss, nll.detach(), mask, aux, expert_load, n,
+                        expert_margins=margins)
 
     def _chunked_nll(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token NLL ``[B, T]``; ``loss_chunk`` tokens at a time, checkpointed under autograd."""
@@ -125,10 +131,12 @@ class HybridLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
 
-    def update_moe_bias(self, expert_load: torch.Tensor) -> None:
-        """Apply the aux-loss-free bias update with ``expert_load [n_moe_layers, E]``."""
-        for moe, load in zip(self.moe_layers(), expert_load):
-            moe.update_bias(load)
+    def update_moe_bias(self, expert_load: torch.Tensor,
+                        expert_margins: torch.Tensor | None = None) -> None:
+        """Apply the aux-loss-free bias update with ``expert_load [n_moe_layers, E]`` (and the
+        margin histograms ``[n_moe_layers, E, N_MARGIN_BINS]`` of the same tokens)."""
+        for i, (moe, load) in enumerate(zip(self.moe_layers(), expert_load)):
+            moe.update_bias(load, None if expert_margins is None else expert_margins[i])
 
 
 @torch.no_grad()

@@ -12,6 +12,11 @@ from .layers import ROW_TILE, Linear, SwiGLU
 
 EXPERT_TILE = 64  # an expert sees ~ROW_TILE * k / E rows of a group: small tiles waste less padding
 
+# Edges of the routing-margin histogram (see MoE.margins): cubic spacing, ~4e-6 wide at 0 (where a
+# layer whose scores barely vary from token to token keeps its margins) and 0.05 at +-1.
+MARGIN_EDGES = torch.linspace(-1.0, 1.0, 129, dtype=torch.float64).pow(3).float()
+N_MARGIN_BINS = len(MARGIN_EDGES) + 1  # and one open bin below -1 and above +1
+
 
 def _dispatch(sel: torch.Tensor, E: int):
     """Rows of the per-expert products for routing ``sel [n, k]``.
@@ -68,7 +73,7 @@ def _expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torc
 
 
 class MoE(nn.Module):
-    """``[B, T, d] -> ([B, T, d], aux_loss, load [E])``.
+    """``[B, T, d] -> ([B, T, d], aux_loss, stats [E, 1 + N_MARGIN_BINS])``.
 
     Router: ``s = sigmoid(x W_r)`` (fp32); each token takes the ``experts_per_token`` experts with
     the highest ``s + bias``; gates are the selected ``s`` normalised to sum 1, times
@@ -76,7 +81,9 @@ class MoE(nn.Module):
     (aux-loss-free balancing); ``seq_aux_weight`` adds DeepSeek-V3's sequence-wise balance loss.
     One shared SwiGLU expert sees every token. Tokens run through in chunks of ``moe_chunk``
     (checkpointed under autograd), so expert activations never exist for the whole sequence.
-    ``load`` counts routed tokens per expert over the whole input (no gradient).
+    ``stats`` (no gradient), over the whole input: column 0 counts the tokens routed to each
+    expert, the rest is each expert's histogram of routing margins (:meth:`margins`), which the
+    ``quantile`` bias update solves for the bias that balances the load.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -112,15 +119,34 @@ class MoE(nn.Module):
             out = out.index_add(0, rows[keep], (y[keep] * g.to(y.dtype)).to(out.dtype))
         load = torch.bincount(sel.flatten(), minlength=E).float()
         share = (scores / scores.sum(-1, keepdim=True)).sum(0)
-        return out, load, share
+        return out, torch.cat([load[:, None], self.margins(scores.detach(), sel)], 1), share
+
+    def margins(self, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """Histogram ``[E, N_MARGIN_BINS]`` over tokens of each expert's routing margin: how far its
+        ``score + bias`` is above (selected) or below (not) the value it must beat to be among a
+        token's top k (the (k+1)-th best of the token if selected, else the k-th). Raising the
+        expert's bias by ``delta`` adds exactly the tokens with margin in ``(-delta, 0]``."""
+        n, E = scores.shape
+        k = self.cfg.experts_per_token
+        hist = torch.zeros(E, N_MARGIN_BINS, device=scores.device)
+        if k >= E or n == 0:
+            return hist
+        v = scores + self.bias
+        top = v.topk(k + 1, dim=-1).values
+        chosen = torch.zeros_like(v, dtype=torch.bool).scatter_(1, sel, True)
+        m = v - torch.where(chosen, top[:, k : k + 1], top[:, k - 1 : k])
+        m = torch.where(chosen, m.clamp_min(1e-12), m.clamp_max(0.0))  # ties: selection decides
+        b = torch.bucketize(m, MARGIN_EDGES.to(m.device), right=True)
+        flat = torch.arange(E, device=m.device) * N_MARGIN_BINS + b
+        return torch.bincount(flat.reshape(-1), minlength=E * N_MARGIN_BINS).reshape(E, -1).float()
 
     def forward(self, x: torch.Tensor):
         B, T, d = x.shape
         E, chunk = self.cfg.n_experts, self.cfg.moe_chunk
         outs, aux = [], x.new_zeros((), dtype=torch.float)
-        load = torch.zeros(E, device=x.device)
+        stats = torch.zeros(E, 1 + N_MARGIN_BINS, device=x.device)
         for b in range(B):
-            seq_load = torch.zeros(E, device=x.device)
+            seq_stats = torch.zeros_like(stats)
             seq_share = torch.zeros(E, device=x.device)
             for s in range(0, T, chunk):
                 xc = x[b, s : s + chunk]
@@ -129,12 +155,12 @@ class MoE(nn.Module):
                 else:
                     y, cnt, share = self._chunk(xc)
                 outs.append(y)
-                seq_load, seq_share = seq_load + cnt, seq_share + share
-            load = load + seq_load
+                seq_stats, seq_share = seq_stats + cnt, seq_share + share
+            stats = stats + seq_stats
             if self.cfg.seq_aux_weight > 0 and T > 0:
-                aux = aux + self.balance_loss(seq_load, seq_share, T) / B
+                aux = aux + self.balance_loss(seq_stats[:, 0], seq_share, T) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
-        return y, aux, load.detach()
+        return y, aux, stats.detach()
 
     def balance_loss(self, load: torch.Tensor, share: torch.Tensor, T: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss of one sequence of ``T`` tokens from its routed
@@ -144,7 +170,48 @@ class MoE(nn.Module):
         return self.cfg.seq_aux_weight * (f * share / T).sum()
 
     @torch.no_grad()
-    def update_bias(self, load: torch.Tensor, rate: float | None = None) -> None:
-        """Aux-loss-free balancing: ``bias_i += rate * sign(mean(load) - load_i)``."""
+    def update_bias(self, load: torch.Tensor, margins: torch.Tensor | None = None,
+                    rate: float | None = None) -> None:
+        """Aux-loss-free balancing from a step's ``load [E]`` (and ``margins [E, N_MARGIN_BINS]``).
+
+        ``bias_update``: ``sign``, DeepSeek-V3's ``bias_i += rate * sign(mean(load) - load_i)``;
+        ``proportional``, ``rate * (mean(load) - load_i) / mean(load)``; ``quantile``, a step of
+        ``rate`` (a fraction, e.g. 0.5) towards the bias that, each expert taken alone, would have
+        given it the mean load on this step's tokens, read off its margin histogram. The first two
+        move by fixed amounts whatever the scale of the scores; where scores barely vary from
+        token to token one fixed step swings whole layers' worth of tokens.
+        """
         rate = self.cfg.bias_update_rate if rate is None else rate
-        self.bias += rate * torch.sign(load.mean() - load).to(self.bias)
+        err = load.mean() - load
+        if self.cfg.bias_update == "quantile" and margins is not None:
+            delta = margin_quantile_shift(margins, float(load.mean()))
+            self.bias += rate * (delta - delta.mean()).to(self.bias)
+        elif self.cfg.bias_update == "proportional":
+            self.bias += rate * (err / load.mean().clamp_min(1e-9)).to(self.bias)
+        else:
+            self.bias += rate * torch.sign(err).to(self.bias)
+
+
+def margin_quantile_shift(margins: torch.Tensor, target: float) -> torch.Tensor:
+    """Per expert, the bias shift that would route ``target`` tokens to it: ``-q`` with ``q`` the
+    margin above which ``target`` of its tokens lie, interpolated linearly inside a bin of
+    :data:`MARGIN_EDGES` (clipped to +-1). ``margins [E, N_MARGIN_BINS]`` -> ``[E]``."""
+    edges = MARGIN_EDGES.to(margins.device, torch.float64)
+    lo = torch.cat([edges[:1], edges])  # bin j spans [lo[j], hi[j]); open bins clipped to +-1
+    hi = torch.cat([edges, edges[-1:]])
+    h = margins.to(torch.float64)
+    above = h.flip(-1).cumsum(-1).flip(-1)  # tokens in bin j or higher
+    out = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)
+    for e in range(h.shape[0]):
+        # the last bin with at least ``target`` tokens at or above it
+        j = int(torch.searchsorted(-above[e], torch.tensor(-target, dtype=torch.float64,
+                                                          device=h.device), right=True)) - 1
+        if j < 0:  # fewer tokens than the target: as far up as the grid goes
+            out[e] = lo[0]
+            continue
+        inside = float(h[e, j])
+        beyond = float(above[e, j] - h[e, j])  # tokens in bins above j
+        frac = 0.0 if inside <= 0 else min(1.0, max(0.0, (target - beyond) / inside))
+        out[e] = hi[j] - frac * (hi[j] - lo[j])
+    return -out.float()
+

@@ -6,6 +6,8 @@ from megabase.data.errors import InputError
 
 from .config import ModelConfig
 
+DENSE_DIM = 443  # 1,757,824 active parameters; cpu-small: 1,757,944
+
 PRESETS: dict[str, dict] = {
     # Tests: every part present (KDA, DSA with top-k below test lengths, MoE) at toy width.
     "debug": dict(
@@ -20,6 +22,12 @@ PRESETS: dict[str, dict] = {
         dsa_heads=4, dsa_kv_heads=2, dsa_head_dim=32, index_heads=2, index_dim=16, topk=256,
         n_experts=8, experts_per_token=2, expert_dim=128, shared_expert_dim=128,
         moe_chunk=8192, loss_chunk=32768, dsa_block=256,
+    ),
+    # The dense baseline of cpu-small: full causal attention (SDPA, RoPE) in every layer and dense
+    # SwiGLU FFNs, widths chosen so its active parameters match cpu-small's (see parameter_counts).
+    "cpu-small-dense": dict(
+        d_model=128, n_layers=8, mixer="attention", dsa_heads=4, dsa_kv_heads=2, dsa_head_dim=32,
+        dense_layers=8, dense_dim=DENSE_DIM, loss_chunk=32768,
     ),
     # One large GPU (H100/H200 class) at 512k-1M tokens with recompute.
     "gpu-1b": dict(

@@ -66,7 +66,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         regions=tuple(_csv(args.regions)), length=args.length,
         edges=[int(e) for e in _csv(args.edges)] if args.edges else None,
         controls=tuple(int(c) for c in _csv(args.controls)), probe=not args.no_probe,
-        baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
+        probe_windows=args.probe_windows, baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
         segment=args.segment, n_boot=args.bootstrap, seed=args.seed, progress=not args.quiet,
         mlflow_run=args.mlflow_run, experiment=args.experiment, tracking_uri=args.tracking_uri,
         track=not args.no_mlflow,
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edges", help="context bin edges, e.g. 0,1000,4000,16000,65536")
     p.add_argument("--controls", default="1000", help="context limits of the truncation control")
     p.add_argument("--no-probe", action="store_true", help="skip the in-context recall probe")
+    p.add_argument("--probe-windows", type=_positive_int, default=32,
+                   help="recall-probe windows per distance (default 32)")
     p.add_argument("--baseline", type=int, action="append", metavar="K",
                    help="add an order-K Markov baseline fitted on --train (repeatable)")
     p.add_argument("--train", help="records/regions the baselines are fitted on")

@@ -32,6 +32,10 @@ class DataConfig:
     stride: int | None = None
     max_n_frac: float = 0.5
     rc_prob: float = 0.5
+    # synthetic repeats (megabase.data.augment): a training curriculum, never applied to evaluation
+    repeat_frac: float = 0.0  # fraction of each training window's bases overwritten by copies
+    repeat_length: list[int] = field(default_factory=lambda: [20, 1000])  # copy length min, max
+    repeat_divergence: float = 0.0  # most a copy's substitution rate can be
 
 
 @dataclass
@@ -61,6 +65,7 @@ class TrainConfig:
     seq_warmup: bool = True  # short windows first, doubling up to data.window_length
     seq_warmup_start: int = 4096
     seq_warmup_steps: int = 8  # optimizer steps per length
+    indexer_warmup_steps: int = 0  # first steps with dense DSA attention, the indexer fitted to it
     recompute: str = "none"
     offload: bool = False
     trim_heap: bool = False  # CPU: return freed heap to the OS between blocks (lower peak RSS)
@@ -81,6 +86,7 @@ class EvalConfig:
     regions: list[str] = field(default_factory=list)  # empty: data.eval
     controls: list[int] = field(default_factory=lambda: [1000])
     probe: bool = True
+    probe_windows: int = 32  # recall-probe windows per distance
     baselines: list[int] = field(default_factory=lambda: [0, 4])  # Markov orders, fitted on data.train
     bootstrap: int = 200
     segment: int = 65536
@@ -122,7 +128,7 @@ class RunConfig:
 CHOICES = {("train", "precision"): PRECISIONS, ("train", "recompute"): RECOMPUTE}
 POSITIVE = {("data", "window_length"), ("train", "steps"), ("train", "batch_size"),
             ("train", "grad_accum"), ("train", "checkpoint_every"), ("train", "seq_warmup_start"),
-            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment"),
+            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment"), ("eval", "probe_windows"),
             ("train", "devices"), ("train", "num_nodes"), ("train", "context_parallel")}
 
 
@@ -242,7 +248,26 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
 
     get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error
     _check_parallel(cfg, source)
+    _check_curriculum(cfg, source)
     return cfg
+
+
+def _check_curriculum(cfg: RunConfig, source: str) -> None:
+    d, t = cfg.data, cfg.train
+    if not 0.0 <= d.repeat_frac < 1.0:
+        raise InputError(f"data.repeat_frac must be within [0, 1), got {d.repeat_frac}", source)
+    if len(d.repeat_length) != 2 or not 1 <= d.repeat_length[0] <= d.repeat_length[1]:
+        raise InputError(f"data.repeat_length must be [min, max] with 1 <= min <= max, got "
+                         f"{d.repeat_length}", source)
+    if not 0.0 <= d.repeat_divergence <= 1.0:
+        raise InputError(f"data.repeat_divergence must be within [0, 1], got "
+                         f"{d.repeat_divergence}", source)
+    if t.indexer_warmup_steps < 0:
+        raise InputError(f"train.indexer_warmup_steps must be >= 0, got {t.indexer_warmup_steps}",
+                         source)
+    if t.indexer_warmup_steps and t.context_parallel > 1:
+        raise InputError("train.indexer_warmup_steps needs whole sequences (dense attention); "
+                         "it cannot run with train.context_parallel > 1", source)
 
 
 def _check_parallel(cfg: RunConfig, source: str) -> None:

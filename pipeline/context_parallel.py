@@ -13,7 +13,8 @@ at any world size. Per layer kind:
   short conv's last ``kda_conv - 1`` inputs cross each border the same way.
 * DSA: index keys, keys and values are all-gathered; each rank runs the indexer (queries at its
   offset, keys over the whole prefix), sparse attention and the sparse indexer KL as the
-  streaming scorer does. The KL is scaled by the shard's share of the queries.
+  streaming scorer does. The KL is scaled by the shard's share of the queries. The short conv's
+  border crosses as KDA's does.
 * MoE: routing stays local; the sequence-wise balance loss uses the sequence's global counts.
 
 Every exchange is an all-gather whose backward all-reduces the gradient and keeps the rank's own
@@ -146,7 +147,10 @@ def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
     if state is not None:
         raise ValueError("streaming (state=...) is single-process; score with one rank")
     B, T, _ = x.shape
-    q, k, v, qi, ki, wi = layer.project(x)
+    pre = layer.projections(x)
+    width = layer.cfg.dsa_conv - 1 if layer.conv is not None else 0
+    tail = cp.previous(pre[:, pre.shape[1] - width :]) if width else None
+    q, k, v, qi, ki, wi, _ = layer.features(pre, x, tail)
     # one exchange for keys, values and index keys; only the prefix up to this rank's shard is
     # used, its own slice included, so its gradient is summed with the other ranks' use of it
     sizes = [k[0, 0].numel(), v[0, 0].numel(), ki[0, 0].numel()]
@@ -171,6 +175,9 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -
     """
     if cp is None or cp.size == 1:
         return model
+    if model.cfg.mixer != "hybrid":
+        raise ValueError("context parallelism runs the hybrid KDA / DSA model; "
+                         f"model.mixer={model.cfg.mixer!r} is not supported")
     if model.cfg.indexer_mode != "sparse" and any(b.kind == "dsa" for b in model.blocks):
         raise ValueError("context parallelism needs model.indexer_mode=sparse (the dense indexer "
                          "warm-up is single-process)")

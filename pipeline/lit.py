@@ -17,6 +17,9 @@ from .distributed import Layout, make_layout, objective, parallelize
 from .errors import TrainingDivergedError
 
 
+COLLAPSE_RATIO = 3.0  # max/mean expert load above which a layer is reported as collapsing
+
+
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
     if step < warmup:
@@ -38,8 +41,11 @@ class LitLM(pl.LightningModule):
     """One optimizer step = ``grad_accum`` batches of ``[B, L]`` windows.
 
     Logs per step: ``loss`` (LM loss, nats), ``bits_per_base``, ``aux_loss``, ``lr``,
-    ``tokens_per_s``, ``peak_mem_gib``, ``moe_load_max_over_mean`` and ``moe_bias_norm``. The MoE
-    balancing bias moves after every optimizer step from the loads of that step's batches.
+    ``tokens_per_s``, ``peak_mem_gib``, ``moe_load_max_over_mean`` (the worst layer; per layer in
+    ``moe_load_max_over_mean/layer_i``, and in the log ``moe_load_per_layer`` and
+    ``moe_idle_experts``) and ``moe_bias_norm``. The MoE balancing bias moves after every
+    optimizer step from the loads of that step's batches; a layer whose max/mean passes
+    ``COLLAPSE_RATIO`` or that leaves an expert idle gets one warning line in the progress output.
     Raises :class:`TrainingDivergedError` on a non-finite loss before any update is applied.
     Across several processes each rank trains on its part of the global batch (its data replica's
     windows, its context shard of each) and every logged figure is the global one.
@@ -49,7 +55,8 @@ class LitLM(pl.LightningModule):
         super().__init__()
         self.model, self.cfg, self.log_path = model, cfg, log_path
         self.layout, self._parallelized = Layout(), False
-        self._load = None
+        self._load = self._margins = None
+        self._flagged: set[int] = set()  # MoE layers already warned about (one line each)
         self._tokens = 0
         self._tick = time.perf_counter()
         self.history: list[dict] = []  # per optimizer step, for the final summary and tests
@@ -68,6 +75,12 @@ class LitLM(pl.LightningModule):
         length = window_length_at(self.global_step, self.cfg)
         ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
         mask = batch["loss_mask"][:, :length]
+        if self.cfg.data.repeat_frac > 0:
+            ids, targets, mask = self._plant_repeats(targets, batch_idx % self.cfg.train.grad_accum)
+        warm = self.global_step < self.cfg.train.indexer_warmup_steps
+        for block in self.model.blocks:
+            if block.kind == "dsa":
+                block.mixer.dense_warmup = warm
         ids, targets, mask = self.layout.shard(ids, targets, mask)
         out = self.model(ids, targets, loss_mask=mask)
         step = objective(out, self.layout)
@@ -75,18 +88,38 @@ class LitLM(pl.LightningModule):
         total = step.objective.detach() if self.layout.world == 1 else step.lm_loss + step.aux_loss
         if not torch.isfinite(total):
             raise TrainingDivergedError(self.global_step + 1, float(total))
-        load = out.expert_load.detach()
+        load, margins = out.expert_load.detach(), out.expert_margins
         self._load = load if self._load is None else self._load + load
+        if margins is not None:
+            self._margins = margins if self._margins is None else self._margins + margins
         self._tokens += step.n_tokens
         self._lm = step.lm_loss if batch_idx % self.cfg.train.grad_accum == 0 \
             else self._lm + step.lm_loss
         self._aux = step.aux_loss
         return step.objective / self.cfg.train.grad_accum
 
+    def _plant_repeats(self, targets: torch.Tensor, micro: int):
+        """The synthetic-repeat curriculum on a batch's targets ``[B, L]``: new ``(input_ids,
+        targets, loss_mask)``, drawn from (seed, step, micro-batch, data replica) so a resumed or
+        context-parallel run plants the same copies."""
+        from megabase.data.augment import plant_repeats
+        from megabase.data.vocab import N_BASES, SEP
+
+        d = self.cfg.data
+        rng = np.random.default_rng((self.cfg.train.seed, self.global_step, micro,
+                                     self.layout.dp_rank))
+        rows = [plant_repeats(row, rng, d.repeat_frac, tuple(d.repeat_length), d.repeat_divergence)
+                for row in targets.cpu().numpy()]
+        new = torch.from_numpy(np.stack(rows)).to(targets.device)
+        ids = torch.cat([torch.full_like(new[:, :1], SEP), new[:, :-1]], dim=1)
+        return ids, new, new < N_BASES
+
     def on_before_optimizer_step(self, optimizer):
         if self._load is not None and self._load.numel():
             self._load = self.layout.sum(self._load)  # global counts: the bias stays the same everywhere
-            self.model.update_moe_bias(self._load)
+            if self._margins is not None:
+                self._margins = self.layout.sum(self._margins)
+            self.model.update_moe_bias(self._load, self._margins)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.cfg.train.grad_accum:
@@ -98,10 +131,17 @@ class LitLM(pl.LightningModule):
                "tokens_per_s": self._tokens / max(now - self._tick, 1e-9),
                "peak_mem_gib": peak_memory_gib(self.device),
                "window_length": window_length_at(self.global_step - 1, self.cfg)}
+        per_layer = {}
         if self._load is not None and self._load.numel():
             load = self._load.float()
-            row["moe_load_max_over_mean"] = float((load.max(-1).values / load.mean(-1).clamp_min(1e-9)).max())
+            ratio = load.max(-1).values / load.mean(-1).clamp_min(1e-9)
+            idle = (load == 0).sum(-1)
+            row["moe_load_max_over_mean"] = float(ratio.max())
+            row["moe_load_per_layer"] = [round(float(r), 4) for r in ratio]
+            row["moe_idle_experts"] = [int(i) for i in idle]
             row["moe_bias_norm"] = float(torch.stack([m.bias.norm() for m in self.model.moe_layers()]).norm())
+            per_layer = {f"moe_load_max_over_mean/layer_{i}": float(r) for i, r in enumerate(ratio)}
+            self._warn_collapse(ratio, idle)
         self.history.append(row)
         if self.log_path is not None and self.trainer.is_global_zero:  # on disk before the next step
             with open(self.log_path, "a") as fh:
@@ -110,8 +150,22 @@ class LitLM(pl.LightningModule):
                 os.fsync(fh.fileno())
         shown = ("bits_per_base", "tokens_per_s")
         self.log_dict({k: row[k] for k in shown}, on_step=True, prog_bar=True)
-        self.log_dict({k: v for k, v in row.items() if k not in ("step", *shown)}, on_step=True)
-        self._load, self._tokens, self._tick = None, 0, now
+        self.log_dict({k: v for k, v in row.items() if k not in ("step", *shown)
+                       and not isinstance(v, list)} | per_layer, on_step=True)
+        self._load, self._margins, self._tokens, self._tick = None, None, 0, now
+
+    def _warn_collapse(self, ratio: torch.Tensor, idle: torch.Tensor) -> None:
+        """One line in the progress output the first time a MoE layer routes more than
+        ``COLLAPSE_RATIO`` times the mean load to one expert, or leaves an expert idle."""
+        from .summary import moe_warning
+
+        for i, (r, n) in enumerate(zip(ratio.tolist(), idle.tolist())):
+            if i not in self._flagged and (r > COLLAPSE_RATIO or n > 0):
+                self._flagged.add(i)
+                if self.trainer.is_global_zero:
+                    from tqdm import tqdm
+
+                    tqdm.write(moe_warning(i, r, int(n), self.global_step))
 
     def configure_optimizers(self):
         t = self.cfg.train

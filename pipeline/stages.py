@@ -27,6 +27,7 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     overall: dict | None = None
     baselines: dict[str, float] = field(default_factory=dict)  # name -> overall bits/base
+    evaluation: dict | None = None  # the report (report.json)
 
 
 def ensure_store(cfg: RunConfig, progress: bool = True):
@@ -95,7 +96,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
         ckpt, history, uri, run_id = result.checkpoint, result.history, result.tracking_uri, \
             result.run_id
 
-    report_path, overall, baselines = None, None, {}
+    report_path, overall, baselines, report = None, None, {}, None
     if cfg.eval.enabled:
         report_dir = out / "eval"
         existing = report_dir / "report.json"
@@ -108,7 +109,8 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
             report = evaluate(ckpt, store.path, out=report_dir,
                               regions=tuple(e.regions or cfg.data.eval),
                               length=cfg.data.window_length, controls=tuple(e.controls),
-                              probe=e.probe, baselines=tuple(e.baselines),
+                              probe=e.probe, probe_windows=e.probe_windows,
+                              baselines=tuple(e.baselines),
                               train=tuple(cfg.data.train), segment=e.segment,
                               n_boot=e.bootstrap, seed=cfg.train.seed, progress=progress,
                               mlflow_run=run_id, tracking_uri=uri)
@@ -116,4 +118,4 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
         report_path, overall = existing, report["overall"]
         baselines = {k: v["overall"]["bits_per_base"] for k, v in report.get("baselines", {}).items()}
     return RunResult(store.path, bed, Path(ckpt), report_path, uri, run_id,
-                     time.perf_counter() - started, stages, history, overall, baselines)
+                     time.perf_counter() - started, stages, history, overall, baselines, report)

@@ -87,10 +87,35 @@ def print_report(report: dict) -> None:
         console.print(f"{report['name']}: {overall['bits_per_base']:.4f} bits/base "
                       f"(95% CI {lo:.4f}-{hi:.4f} over windows); repeat "
                       f"{_bits(overall['repeat'])}, unique {_bits(overall['unique'])}")
+    for limit, rows in report.get("context_gain", {}).items():
+        cells = []
+        for row in rows:
+            g = row["all"]
+            if row["context_lo"] >= int(limit) and g["gain_bits_per_base"] is not None:
+                lo, hi = g["ci"]
+                ci = "" if lo is None else f" [{lo:+.4f}, {hi:+.4f}]"
+                cells.append(f"[{row['context_lo']:,}, {row['context_hi']:,}) "
+                             f"{g['gain_bits_per_base']:+.4f}{ci}")
+        if cells:
+            console.print(f"gain over the control <= ~{int(limit):,} (bits/base, paired 95% CI): "
+                          + "; ".join(cells))
     for row in report.get("probe", []):
-        console.print(f"recall probe d={row['distance']:,}: first copy "
-                      f"{row['first_copy_bits_per_base']:.3f}, second copy "
-                      f"{row['second_copy_bits_per_base']:.3f} bits/base")
+        lo, hi = row.get("second_copy_ci", (None, None))
+        ci = f" (95% CI {lo:.3f}-{hi:.3f})" if lo is not None else ""
+        hits = row.get("dsa_hit_rate")
+        hit = ""
+        if hits and row.get("chance_hit_rate") is not None:
+            hit = ("; DSA top-k holds the aligned key for "
+                   + ", ".join("-" if h is None else f"{h:.0%}" for h in hits)
+                   + f" of queries (chance {row['chance_hit_rate']:.0%})")
+        console.print(f"recall probe d={row['distance']:,} ({row.get('n_windows', '?')} windows): "
+                      f"first copy {row['first_copy_bits_per_base']:.3f}, second copy "
+                      f"{row['second_copy_bits_per_base']:.3f} bits/base{ci}{hit}")
+    best = report.get("best_baseline")
+    if best:
+        console.print(f"best baseline: {best['name']}, {best['bits_per_base']:.4f} bits/base")
+    for line in _moe_lines(report):
+        console.print(line)
     console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
     console.print(f"report: {', '.join(report['files'].values())} ({report['seconds']:.1f} s)")
     if report.get("mlflow"):
@@ -130,6 +155,31 @@ def _mlflow_hint(uri: str, run_id: str) -> str:
             "(then open http://127.0.0.1:5000)")
 
 
+def moe_warning(layer: int, ratio: float, idle: int, step: int) -> str:
+    """The one-line warning of a MoE layer whose routing collapses."""
+    what = f"max/mean expert load {ratio:.2f}" + (f", {idle} expert(s) idle" if idle else "")
+    return (f"warning: MoE layer {layer} at step {step}: {what} (balanced is 1; see "
+            "model.bias_update / bias_update_rate / seq_aux_weight)")
+
+
+def moe_health(rows: list[dict]) -> list[str]:
+    """Warning lines for the summary: layers over the collapse ratio or with idle experts at the
+    last step, and how many steps each layer spent so."""
+    from .lit import COLLAPSE_RATIO
+
+    rows = [r for r in rows if "moe_load_per_layer" in r]
+    if not rows:
+        return []
+    out = []
+    for i, (ratio, idle) in enumerate(zip(rows[-1]["moe_load_per_layer"], rows[-1]["moe_idle_experts"])):
+        bad = sum(r["moe_load_per_layer"][i] > COLLAPSE_RATIO or r["moe_idle_experts"][i] > 0
+                  for r in rows)
+        if ratio > COLLAPSE_RATIO or idle:
+            out.append(moe_warning(i, ratio, idle, rows[-1]["step"]) +
+                       f"; {bad} of {len(rows)} steps so")
+    return out
+
+
 def print_train(result) -> None:
     """Steps, final loss, speed, and where the checkpoint and the MLflow run are."""
     console = Console()
@@ -146,10 +196,55 @@ def print_train(result) -> None:
         speed = sum(r["tokens_per_s"] for r in rows) / len(rows)
         table.add_row("tokens/s (mean)", f"{speed:,.0f}")
         table.add_row("peak memory", f"{max(r['peak_mem_gib'] for r in rows):.2f} GiB")
+        if "moe_load_per_layer" in last:
+            table.add_row("MoE max/mean load per layer (last step)",
+                          " ".join(f"{r:.2f}" for r in last["moe_load_per_layer"]))
     table.add_row("time", f"{result.seconds:.1f} s")
     console.print(table)
+    for line in moe_health(rows):
+        console.print(f"[yellow]{line}[/]")
     console.print(f"checkpoint: {result.checkpoint}")
     console.print(_mlflow_hint(result.tracking_uri, result.run_id))
+
+
+def _ci(entry: dict) -> str:
+    lo, hi = entry.get("bits_per_base_ci") or (None, None)
+    return "" if lo is None else f" (95% CI {lo:.4f}-{hi:.4f})"
+
+
+def evaluation_lines(report: dict) -> list[str]:
+    """The instruments of a report in a few lines: the best baseline and whether the model's CI
+    clears it, the gain over the context control beyond it, the recall probe, held-out MoE load."""
+    lines = []
+    best = report.get("best_baseline")
+    if best and report.get("overall"):
+        base = report["baselines"][best["name"]]["overall"]
+        model = report["overall"]
+        apart = model["bits_per_base_ci"][1] is not None and base["bits_per_base_ci"][0] is not None \
+            and model["bits_per_base_ci"][1] < base["bits_per_base_ci"][0]
+        lines.append(f"best baseline {best['name']}: {best['bits_per_base']:.4f}{_ci(base)}; the "
+                     f"model is {'below it, CIs apart' if apart else 'not below it with the CIs apart'}")
+    for limit, rows in report.get("context_gain", {}).items():
+        far = [r for r in rows if r["context_lo"] >= int(limit) and r["all"]["gain_bits_per_base"] is not None]
+        if far:
+            cells = ", ".join(f"[{r['context_lo']:,}, {r['context_hi']:,}) "
+                              f"{r['all']['gain_bits_per_base']:+.4f}" for r in far)
+            lines.append(f"context gain over the <= ~{int(limit):,} control (bits/base): {cells}")
+    probe = report.get("probe", [])
+    if probe:
+        lines.append("recall probe, second vs first copy (bits/base): " + ", ".join(
+            f"d={r['distance']:,} {r['second_copy_bits_per_base']:.3f} vs "
+            f"{r['first_copy_bits_per_base']:.3f}" for r in probe))
+    return lines + _moe_lines(report)
+
+
+def _moe_lines(report: dict) -> list[str]:
+    loads = [r["max_over_mean"] for r in report.get("moe_load", []) if r["max_over_mean"]]
+    if not loads:
+        return []
+    idle = sum(r["idle_experts"] for r in report["moe_load"])
+    return [f"held-out MoE load, max/mean per layer {' '.join(f'{x:.2f}' for x in loads)}"
+            + (f", {idle} idle expert(s)" if idle else ", no idle expert")]
 
 
 def print_run(result) -> None:
@@ -165,11 +260,16 @@ def print_run(result) -> None:
         first, last = result.history[0], result.history[-1]
         console.print(f"training loss {first['bits_per_base']:.4f} -> "
                       f"{last['bits_per_base']:.4f} bits/base over {last['step']} steps")
+    for line in moe_health(result.history):
+        console.print(f"[yellow]{line}[/]")
     if result.overall:
         o = result.overall
         beside = "; ".join(f"{k} {v:.4f}" for k, v in result.baselines.items() if v is not None)
-        console.print(f"held-out: {o['bits_per_base']:.4f} bits/base over {o['n_tokens']:,} bases"
+        console.print(f"held-out: {o['bits_per_base']:.4f} bits/base{_ci(o)} over "
+                      f"{o['n_tokens']:,} bases"
                       + (f" (beside it: {beside})" if beside else " (order-0 DNA is ~1.95-2.0)"))
+    for line in evaluation_lines(result.evaluation or {}):
+        console.print(line)
     console.print(f"store: {result.store}\nwindows: {result.windows}\n"
                   f"checkpoint: {result.checkpoint}")
     if result.report:

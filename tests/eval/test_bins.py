@@ -57,3 +57,28 @@ def test_empty_bins_report_zero_tokens():
         "unique": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
         "repeat": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
         "bits_per_base_ci": [None, None]}
+
+
+def test_paired_gain_cancels_what_both_curves_share():
+    """Windows differ a lot in difficulty, the model beats the control by a constant 0.01 bits:
+    the separate CIs overlap, the paired one excludes zero."""
+    from megabase.eval.bins import BinAccumulator, paired_gain
+
+    rng = np.random.default_rng(0)
+    model, control = BinAccumulator([0, 100, 200]), BinAccumulator([0, 100, 200])
+    repeat = np.zeros(200, bool)
+    repeat[::2] = True
+    for _ in range(30):
+        level = rng.uniform(1.0, 1.6)
+        nll = np.full(200, level) + rng.normal(0, 0.01, 200)
+        gain = np.where(np.arange(200) >= 100, 0.01 * np.log(2), 0.0)
+        model.add_window(nll, np.ones(200, bool), repeat)
+        control.add_window(nll + gain, np.ones(200, bool), repeat)
+    rows = paired_gain(model, control, n_boot=200)
+    assert rows[0]["all"]["gain_bits_per_base"] == pytest.approx(0.0, abs=1e-12)
+    far = rows[1]["all"]
+    assert far["gain_bits_per_base"] == pytest.approx(0.01)
+    assert 0 < far["ci"][0] <= 0.01 <= far["ci"][1]
+    assert rows[1]["repeat"]["n_tokens"] == rows[1]["unique"]["n_tokens"] == 30 * 50
+    a, b = model.summary(200)["bins"][1], control.summary(200)["bins"][1]
+    assert a["bits_per_base_ci"][1] > b["bits_per_base_ci"][0]  # the unpaired CIs overlap

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from megabase.eval.markov import MarkovModel
-from megabase.eval.score import markov_scorer, recall_probe, recall_windows, truncated
+from megabase.eval.score import markov_scorer, truncated
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +27,3 @@ def test_truncation_control_limits_context():
 
     out = truncated(spy, 100)(np.zeros(450, np.uint8))
     assert seen == [100, 200, 200, 200, 150] and out.shape == (450,)
-
-
-def test_recall_windows_repeat_a_real_segment(bundled_store):
-    tokens = np.array(bundled_store.tokens("chr22"))
-    for d, window, m in recall_windows(tokens, [1_000, 4_000], 50, 2, seed=1):
-        assert len(window) == d + m and np.array_equal(window[d:], window[:m])
-        assert (window < 4).all()
-
-
-def test_a_copying_scorer_shows_the_second_copy_cheaper(bundled_store):
-    tokens = np.array(bundled_store.tokens("chr22"))
-
-    def copier(w):  # predicts perfectly whatever it has seen 1000+ bases before, else uniform
-        nll = np.full(len(w), np.log(4.0))
-        nll[1_000:1_050] = np.where(w[1_000:1_050] == w[:50], 0.01, np.log(4.0))
-        return nll
-
-    rows = recall_probe(copier, tokens, [1_000], copy_len=50, n_per_distance=3)
-    assert rows[0]["first_copy_bits_per_base"] == pytest.approx(2.0)
-    assert rows[0]["second_copy_bits_per_base"] < 0.1

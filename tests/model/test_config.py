@@ -13,7 +13,14 @@ def test_glm5_flash_layer_pattern():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_states_its_parameter_counts(name):
     counts = parameter_counts(get_preset(name))
-    assert 0 < counts["active"] < counts["total"]
+    dense = get_preset(name).mixer == "attention"
+    assert 0 < counts["active"] <= counts["total"] and (counts["active"] == counts["total"]) == dense
+
+
+def test_the_dense_baseline_matches_cpu_small_in_active_parameters():
+    dense, hybrid = (parameter_counts(get_preset(n))["active"] for n in ("cpu-small-dense", "cpu-small"))
+    assert get_preset("cpu-small-dense").layer_kinds == "A" * 8
+    assert abs(dense - hybrid) / hybrid < 1e-3
 
 
 def test_debug_has_every_part_and_counts_match_a_real_model():

@@ -167,3 +167,33 @@ def test_resume_with_another_batch_shape_is_refused(bundled_store, tmp_path, cap
     assert main(["train", *tiny(tmp_path, bundled_store, 4), "--set", "train.grad_accum=2",
                  "--resume", "--quiet"]) == 2
     assert "resume with the batch size" in capsys.readouterr().err
+
+
+def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, tmp_path, capsys,
+                                                                 monkeypatch):
+    from megabase.model.dsa import DSALayer
+
+    dense_calls = []
+    original = DSALayer.attend_dense
+    monkeypatch.setattr(DSALayer, "attend_dense",
+                        lambda self, *a: dense_calls.append(1) or original(self, *a))
+    args = tiny(tmp_path / "c", bundled_store, 4, **{
+        "data.repeat_frac": "0.3", "train.indexer_warmup_steps": "2",
+        "model.overrides.n_experts": "16", "model.overrides.bias_update": "sign",
+        "model.overrides.bias_update_rate": "0"})
+    assert main(["train", *args, "--quiet"]) == 0
+    assert len(dense_calls) == 2  # one DSA layer, dense for the first two steps only
+    rows = read_train_log(tmp_path / "c" / "runs" / "tiny")
+    assert all(len(r["moe_load_per_layer"]) == 4 and len(r["moe_idle_experts"]) == 4
+               for r in rows.values())
+    out = capsys.readouterr().out
+    # without balancing, 16 experts over 2,048 tokens leave some idle; each such layer is named once
+    # during training (and again in the summary)
+    assert "warning: MoE layer" in out and "idle" in out
+    planted = loss_curve(tmp_path / "c" / "runs" / "tiny")
+    args = tiny(tmp_path / "d", bundled_store, 4, **{
+        "train.indexer_warmup_steps": "2", "model.overrides.n_experts": "16",
+        "model.overrides.bias_update": "sign", "model.overrides.bias_update_rate": "0"})
+    assert main(["train", *args, "--quiet"]) == 0
+    plain = loss_curve(tmp_path / "d" / "runs" / "tiny")
+    assert not np.allclose(planted, plain)  # the copies change what is trained on

@@ -1,0 +1,106 @@
+"""The in-context recall probe: real held-out sequence in which a stretch reappears ``d`` bases later.
+
+A model that uses ``d`` bases of context predicts the second copy far better than the first; one
+that does not scores both alike. Beside the bits/base of each copy (with bootstrap CIs over
+windows), a model's probe reports, per DSA layer, how often the top-k of a second-copy query holds
+the aligned key of the first copy: the key a copying head must attend to. A hit rate near the
+chance rate ``topk / d`` means the indexer cannot find the first copy, whatever the attention
+would do with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from megabase.data.vocab import N_BASES
+
+from .bins import LN2
+
+PROBE_DISTANCES = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)
+
+
+def probe_distances(window_length: int, copy_len: int) -> list[int]:
+    """The standard distances whose probe window (``d + copy_len``) fits ``window_length``, and
+    the longest that fits, so the probe reaches the length the model was trained on."""
+    longest = window_length - copy_len
+    out = [d for d in PROBE_DISTANCES if d < longest]
+    if longest > copy_len and (not out or longest > out[-1] * 1.05):
+        out.append(longest)
+    return out
+
+
+def recall_windows(tokens: np.ndarray, distances: list[int], copy_len: int, n_per_distance: int,
+                   seed: int = 0) -> Iterator[tuple[int, np.ndarray, int]]:
+    """Probe windows cut from real held-out sequence: ``window[d : d+m]`` is replaced by a copy of
+    ``window[0 : m]``, so the same ``m`` bases appear twice, ``d`` bases apart.
+
+    Yields ``(d, window, m)``. Only stretches without ``N`` are used.
+    """
+    rng = np.random.default_rng(seed)
+    clean = tokens < N_BASES
+    bad = np.concatenate([[0], np.cumsum(~clean)])
+    for d in distances:
+        length = d + copy_len
+        if length > len(tokens):
+            continue
+        starts = np.flatnonzero(bad[length:] - bad[:-length] == 0)
+        if len(starts) == 0:
+            continue
+        for start in rng.choice(starts, size=min(n_per_distance, len(starts)), replace=False):
+            window = np.array(tokens[start : start + length])
+            window[d:] = window[:copy_len]
+            yield d, window, copy_len
+
+
+def _score(scorer, window: np.ndarray, d: int, m: int):
+    """NLL of the window and, for a model scorer, each DSA layer's hit rate on the second copy."""
+    model = getattr(scorer, "model", None)
+    if model is None:
+        return scorer(window), None, None
+    from megabase.model.dsa import capture_selections
+
+    with capture_selections(model, d, d + m) as captures:
+        nll = scorer(window)
+    hits = []
+    aligned = np.arange(d, d + m) - d + 1  # query i predicts window[i]; key i - d + 1 holds it
+    for cap in captures:
+        hits.append(float((cap.rows == aligned[:, None]).any(1).mean()) if cap.seen.all() else None)
+    chance = float(np.minimum(1.0, model.cfg.topk / np.arange(d + 1, d + m + 1)).mean())
+    return nll, hits, chance
+
+
+def recall_probe(scorer, tokens: np.ndarray, distances: list[int], copy_len: int = 200,
+                 n_per_distance: int = 32, seed: int = 0, n_boot: int = 1000) -> list[dict]:
+    """Per distance ``d``: bits/base on the first and the second copy, the second's 95% bootstrap
+    CI over windows and the gain's (first minus second), and ``dsa_hit_rate`` per DSA layer (None
+    where a layer ran dense or for a scorer that is not a model) beside ``chance_hit_rate``, what
+    a selection blind to content would reach (``topk`` of the ``i + 1`` keys of query ``i``)."""
+    rows: dict[int, list] = {}
+    for d, window, m in recall_windows(tokens, distances, copy_len, n_per_distance, seed):
+        nll, hits, chance = _score(scorer, window, d, m)
+        rows.setdefault(d, []).append((np.nansum(nll[:m]), np.nansum(nll[d : d + m]), m, hits,
+                                       chance))
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in sorted(rows):
+        first, second, m = (np.array([r[i] for r in rows[d]], dtype=float) for i in range(3))
+        n = len(first)
+        boot = rng.integers(0, n, size=(n_boot, n))
+        per_base = m[boot].sum(1) * LN2
+        second_ci = np.quantile(second[boot].sum(1) / per_base, [0.025, 0.975])
+        gain_ci = np.quantile((first - second)[boot].sum(1) / per_base, [0.025, 0.975])
+        hits = [r[3] for r in rows[d] if r[3] is not None]
+        rate = None
+        if hits:
+            rate = [None if any(h[i] is None for h in hits) else float(np.mean([h[i] for h in hits]))
+                    for i in range(len(hits[0]))]
+        out.append({"distance": d, "copy_length": copy_len, "n_windows": n,
+                    "first_copy_bits_per_base": first.sum() / m.sum() / LN2,
+                    "second_copy_bits_per_base": second.sum() / m.sum() / LN2,
+                    "second_copy_ci": [float(x) for x in second_ci],
+                    "gain_bits_per_base": (first - second).sum() / m.sum() / LN2,
+                    "gain_ci": [float(x) for x in gain_ci],
+                    "dsa_hit_rate": rate, "chance_hit_rate": rows[d][0][4]})
+    return out
