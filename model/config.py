@@ -40,7 +40,7 @@ class ModelConfig:
     index_dim: int = 16
     topk: int = 64
     keep_recent: int = 0
-    dsa_conv: int = 0  # causal depthwise conv width over the DSA projections (0: none)
+    dsa_kmer: int = 0  # DSA queries/keys/indexer also hash the last dsa_kmer tokens (0: none)
     rope_base: float = 500000.0  # rotary base of the attention mixer (DSA layers use no positions)
     indexer_mode: str = "sparse"
     indexer_loss_weight: float = 0.01
@@ -74,7 +74,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_conv"):
+        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_kmer"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.vocab_size < VOCAB_SIZE:

@@ -36,8 +36,11 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_dim)
         self.n_experts = cfg.n_experts
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
-        h, aux = self.mixer(self.norm1(x), state)
+    def forward(self, x: torch.Tensor, state: dict | None = None, ids: torch.Tensor | None = None):
+        if self.kind == "dsa":
+            h, aux = self.mixer(self.norm1(x), state, ids)
+        else:
+            h, aux = self.mixer(self.norm1(x), state)
         x = x + h
         if isinstance(self.ffn, MoE):
             y, moe_aux, load = self.ffn(self.norm2(x))
@@ -97,7 +100,7 @@ class HybridLM(nn.Module):
         aux = x.new_zeros((), dtype=torch.float)
         loads = []
         for i, block in enumerate(self.blocks):
-            x, block_aux, load = block(x, None if state is None else state[i])
+            x, block_aux, load = block(x, None if state is None else state[i], input_ids)
             aux = aux + block_aux
             if isinstance(block.ffn, MoE):
                 loads.append(load)

@@ -6,20 +6,20 @@ from megabase.data.errors import InputError
 
 from .config import ModelConfig
 
-DENSE_DIM = 443  # 1,757,824 active parameters; cpu-small: 1,757,944
+DENSE_DIM = 463  # 1,819,264 active parameters; cpu-small: 1,819,388
 
 PRESETS: dict[str, dict] = {
     # Tests: every part present (KDA, DSA with top-k below test lengths, MoE) at toy width.
     "debug": dict(
         d_model=32, n_layers=4, kda_heads=2, kda_head_dim=16, kda_gate_rank=8,
-        dsa_heads=2, dsa_kv_heads=1, dsa_head_dim=16, index_heads=2, index_dim=8, topk=32,
+        dsa_heads=2, dsa_kv_heads=1, dsa_head_dim=16, index_heads=2, index_dim=8, topk=32, dsa_kmer=16,
         n_experts=4, experts_per_token=2, expert_dim=32, shared_expert_dim=32,
         moe_chunk=4096, loss_chunk=16384, dsa_block=128,
     ),
     # The CPU demo: trains on 2 cores in minutes on 16k-64k windows.
     "cpu-small": dict(
         d_model=128, n_layers=8, kda_heads=4, kda_head_dim=32, kda_gate_rank=16,
-        dsa_heads=4, dsa_kv_heads=2, dsa_head_dim=32, index_heads=2, index_dim=16, topk=256,
+        dsa_heads=4, dsa_kv_heads=2, dsa_head_dim=32, index_heads=2, index_dim=16, topk=256, dsa_kmer=16,
         n_experts=8, experts_per_token=2, expert_dim=128, shared_expert_dim=128,
         moe_chunk=8192, loss_chunk=32768, dsa_block=256,
     ),
@@ -33,7 +33,7 @@ PRESETS: dict[str, dict] = {
     "gpu-1b": dict(
         d_model=1536, n_layers=24, kda_heads=12, kda_head_dim=128, kda_gate_rank=128,
         dsa_heads=12, dsa_kv_heads=4, dsa_head_dim=128, index_heads=16, index_dim=64, topk=2048,
-        keep_recent=64, n_experts=16, experts_per_token=2, expert_dim=768,
+        keep_recent=64, dsa_kmer=16, n_experts=16, experts_per_token=2, expert_dim=768,
         shared_expert_dim=768, dense_layers=1, dense_dim=4096,
         moe_chunk=65536, loss_chunk=131072, dsa_block=512,
     ),
@@ -42,7 +42,7 @@ PRESETS: dict[str, dict] = {
     "glm5-flash": dict(
         d_model=2048, n_layers=45, kda_heads=32, kda_head_dim=128, kda_gate_rank=128,
         dsa_heads=32, dsa_kv_heads=4, dsa_head_dim=128, index_heads=32, index_dim=128, topk=2048,
-        keep_recent=64, n_experts=64, experts_per_token=4, expert_dim=1536,
+        keep_recent=64, dsa_kmer=16, n_experts=64, experts_per_token=4, expert_dim=1536,
         shared_expert_dim=1536, dense_layers=1, dense_dim=10240,
         moe_chunk=65536, loss_chunk=131072, dsa_block=512,
     ),

@@ -13,8 +13,8 @@ at any world size. Per layer kind:
   short conv's last ``kda_conv - 1`` inputs cross each border the same way.
 * DSA: index keys, keys and values are all-gathered; each rank runs the indexer (queries at its
   offset, keys over the whole prefix), sparse attention and the sparse indexer KL as the
-  streaming scorer does. The KL is scaled by the shard's share of the queries. The short conv's
-  border crosses as KDA's does.
+  streaming scorer does. The KL is scaled by the shard's share of the queries. The k-mer hash
+  (``dsa_kmer``) reads the previous rank's last tokens, as the KDA conv reads its last inputs.
 * MoE: routing stays local; the sequence-wise balance loss uses the sequence's global counts.
 
 Every exchange is an all-gather whose backward all-reduces the gradient and keeps the rank's own
@@ -143,14 +143,15 @@ def _kda_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
     return layer.output(o, x), x.new_zeros((), dtype=torch.float)
 
 
-def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
+def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None, ids=None):
     if state is not None:
         raise ValueError("streaming (state=...) is single-process; score with one rank")
     B, T, _ = x.shape
-    pre = layer.projections(x)
-    width = layer.cfg.dsa_conv - 1 if layer.conv is not None else 0
-    tail = cp.previous(pre[:, pre.shape[1] - width :]) if width else None
-    q, k, v, qi, ki, wi, _ = layer.features(pre, x, tail)
+    tail = None
+    if layer.kmer is not None:  # the tokens before this shard: the k-mer hash's border
+        before = cp.previous(ids[:, ids.shape[1] - layer.kmer.n :].long())
+        tail = None if cp.rank == 0 else before
+    q, k, v, qi, ki, wi = layer.project(x, ids, tail)
     # one exchange for keys, values and index keys; only the prefix up to this rank's shard is
     # used, its own slice included, so its gradient is summed with the other ranks' use of it
     sizes = [k[0, 0].numel(), v[0, 0].numel(), ki[0, 0].numel()]
