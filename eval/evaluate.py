@@ -20,11 +20,12 @@ from .tracking import DEFAULT_EXPERIMENT, abandon_run, log_report, open_run
 
 def eval_windows(store: TokenStore, windows: str | Path | None, split: str, regions: list[str],
                  length: int):
-    """Windows from a BED (one split), or tiles of ``length`` over ``regions`` (every base kept)."""
+    """Windows from a BED (one split), or tiles of ``length`` over ``regions`` (every base kept;
+    tiles without a single A/C/G/T, which have nothing to score, are left out)."""
     if windows is not None:
         return read_bed(windows, split)
     tiles, _ = make_windows(store, {split: regions}, length, max_n_frac=1.0)
-    return tiles
+    return [w for w in tiles if (np.asarray(store.tokens(w.chrom)[w.start : w.end]) < 4).any()]
 
 
 def region_tokens(store: TokenStore, specs: list[str]) -> list[np.ndarray]:

@@ -196,13 +196,17 @@ class KmerHash(nn.Module):
 
     def forward(self, ids: torch.Tensor, tail: torch.Tensor | None = None):
         n, T = self.n, ids.shape[1]
+        B, vocab = ids.shape[0], self.table.shape[1]
         ext = self._extended(ids, tail)  # ext[:, n + t] is ids[:, t]
-        query = key = None
-        for j in range(n):  # a fixed order of sums: the same bits however the sequence is cut
-            q = F.embedding(ext[:, n - j : n - j + T], self.table[j, :, : self.split])
-            k = F.embedding(ext[:, n - 1 - j : n - 1 - j + T], self.table[j, :, self.split :])
-            query, key = (q, k) if query is None else (query + q, key + k)
-        return query, key
+        # row j * vocab + token of the flattened table; one bag of n rows per position (summed in
+        # bag order, row by row: the same bits however the sequence is cut)
+        offsets = torch.arange(n, device=ids.device) * vocab
+        windows = ext.unfold(1, n, 1)  # [B, T + 1, n]: windows[:, i] = ext[:, i : i + n]
+        rows = windows.flip(-1) + offsets  # offset j holds the token j positions back
+        table = self.table.reshape(n * vocab, -1)
+        query = F.embedding_bag(rows[:, 1:].reshape(-1, n), table[:, : self.split], mode="sum")
+        key = F.embedding_bag(rows[:, :-1].reshape(-1, n), table[:, self.split :], mode="sum")
+        return query.reshape(B, T, -1), key.reshape(B, T, -1)
 
 
 class SelectionCapture:

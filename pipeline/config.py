@@ -34,6 +34,8 @@ class DataConfig:
     rc_prob: float = 0.5
     # synthetic repeats (megabase.data.augment): a training curriculum, never applied to evaluation
     repeat_frac: float = 0.0  # fraction of each training window's bases overwritten by copies
+    repeat_frac_first: float | None = None  # the fraction in the first repeat_first_steps steps
+    repeat_first_steps: int = 0
     repeat_length: list[int] = field(default_factory=lambda: [20, 1000])  # copy length min, max
     repeat_divergence: float = 0.0  # most a copy's substitution rate can be
 
@@ -254,8 +256,12 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
 
 def _check_curriculum(cfg: RunConfig, source: str) -> None:
     d, t = cfg.data, cfg.train
-    if not 0.0 <= d.repeat_frac < 1.0:
-        raise InputError(f"data.repeat_frac must be within [0, 1), got {d.repeat_frac}", source)
+    for name in ("repeat_frac", "repeat_frac_first"):
+        value = getattr(d, name)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise InputError(f"data.{name} must be within [0, 1), got {value}", source)
+    if d.repeat_first_steps < 0:
+        raise InputError(f"data.repeat_first_steps must be >= 0, got {d.repeat_first_steps}", source)
     if len(d.repeat_length) != 2 or not 1 <= d.repeat_length[0] <= d.repeat_length[1]:
         raise InputError(f"data.repeat_length must be [min, max] with 1 <= min <= max, got "
                          f"{d.repeat_length}", source)
@@ -284,6 +290,13 @@ def _check_parallel(cfg: RunConfig, source: str) -> None:
         if length % cp:
             raise InputError(f"window length {length} does not split into {cp} equal "
                              "context-parallel shards", source)
+
+
+def repeat_frac_at(step: int, data: DataConfig) -> float:
+    """The synthetic-repeat fraction at optimizer step ``step`` (0-based)."""
+    if data.repeat_frac_first is not None and step < data.repeat_first_steps:
+        return data.repeat_frac_first
+    return data.repeat_frac
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from .config import RunConfig
+from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
 from .errors import TrainingDivergedError
 
@@ -75,8 +75,10 @@ class LitLM(pl.LightningModule):
         length = window_length_at(self.global_step, self.cfg)
         ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
         mask = batch["loss_mask"][:, :length]
-        if self.cfg.data.repeat_frac > 0:
-            ids, targets, mask = self._plant_repeats(targets, batch_idx % self.cfg.train.grad_accum)
+        frac = repeat_frac_at(self.global_step, self.cfg.data)
+        if frac > 0:
+            ids, targets, mask = self._plant_repeats(targets, frac,
+                                                     batch_idx % self.cfg.train.grad_accum)
         warm = self.global_step < self.cfg.train.indexer_warmup_steps
         for block in self.model.blocks:
             if block.kind == "dsa":
@@ -98,7 +100,7 @@ class LitLM(pl.LightningModule):
         self._aux = step.aux_loss
         return step.objective / self.cfg.train.grad_accum
 
-    def _plant_repeats(self, targets: torch.Tensor, micro: int):
+    def _plant_repeats(self, targets: torch.Tensor, frac: float, micro: int):
         """The synthetic-repeat curriculum on a batch's targets ``[B, L]``: new ``(input_ids,
         targets, loss_mask)``, drawn from (seed, step, micro-batch, data replica) so a resumed or
         context-parallel run plants the same copies."""
@@ -108,7 +110,7 @@ class LitLM(pl.LightningModule):
         d = self.cfg.data
         rng = np.random.default_rng((self.cfg.train.seed, self.global_step, micro,
                                      self.layout.dp_rank))
-        rows = [plant_repeats(row, rng, d.repeat_frac, tuple(d.repeat_length), d.repeat_divergence)
+        rows = [plant_repeats(row, rng, frac, tuple(d.repeat_length), d.repeat_divergence)
                 for row in targets.cpu().numpy()]
         new = torch.from_numpy(np.stack(rows)).to(targets.device)
         ids = torch.cat([torch.full_like(new[:, :1], SEP), new[:, :-1]], dim=1)

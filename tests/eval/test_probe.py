@@ -14,6 +14,16 @@ def test_recall_windows_repeat_a_real_segment(bundled_store):
         assert (window < 4).all()
 
 
+def test_recall_windows_in_a_gapped_assembly_keep_the_copy_clean(hsap_store):
+    tokens = np.array(hsap_store.tokens("chr22")[40_000_000:])
+    starts = set()
+    for d, window, m in recall_windows(tokens, [16_000], 200, 32, seed=0):
+        assert (window[:m] < 4).all() and (window[d:] < 4).all()
+        assert (window >= 4).mean() <= 0.5
+        starts.add(bytes(window[:m]))
+    assert len(starts) == 32
+
+
 def test_probe_distances_reach_the_window_length():
     assert probe_distances(16_384, 200) == [1_000, 4_000, 16_000]
     assert probe_distances(8_192, 200) == [1_000, 4_000, 7_992]

@@ -9,7 +9,7 @@ from megabase.pipeline.config import dump_config, flat_params, load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "human-512k.yaml", "human-1m-glm5.yaml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_shipped_configs_load(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.data.train and cfg.data.eval and cfg.train.steps > 0
@@ -43,6 +43,8 @@ def test_sets_are_converted_and_validated():
     (["train.lr"], "expected section.key=value"),
     (["data.repeat_frac=1.5"], "data.repeat_frac must be within [0, 1)"),
     (["data.repeat_length=50,10"], "data.repeat_length must be [min, max]"),
+    (["data.repeat_frac_first=1"], "data.repeat_frac_first must be within [0, 1)"),
+    (["data.repeat_first_steps=-2"], "data.repeat_first_steps must be >= 0"),
     (["data.repeat_divergence=-0.1"], "data.repeat_divergence must be within [0, 1]"),
     (["train.indexer_warmup_steps=-1"], "train.indexer_warmup_steps must be >= 0"),
     (["train.indexer_warmup_steps=5", "train.devices=2", "train.context_parallel=2"],
@@ -66,3 +68,12 @@ def test_bad_files(tmp_path):
     wrong.write_text("train:\n  steps: 5\n  warmup: 2\n")
     with pytest.raises(InputError, match=f"{wrong}: unknown key 'train.warmup'"):
         load_config(wrong)
+
+
+def test_repeat_schedule():
+    from megabase.pipeline.config import repeat_frac_at
+
+    cfg = load_config(None, ["data.repeat_frac=0.1", "data.repeat_frac_first=0.3",
+                             "data.repeat_first_steps=100"])
+    assert [repeat_frac_at(s, cfg.data) for s in (0, 99, 100, 500)] == [0.3, 0.3, 0.1, 0.1]
+    assert repeat_frac_at(0, load_config(None).data) == 0.0
