@@ -22,7 +22,8 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 4
     vocab_size: int = 8  # the 7 tokens of megabase.data.vocab, padded to a multiple of 8
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False  # the head's 4 rows start at zero (untied) or are the bases' embeddings
+    kmer_embed: int = 0  # the input also embeds the exact k-mers ending at each token, k = 2..kmer_embed
     norm_eps: float = 1e-6
     mixer: str = "hybrid"  # hybrid: KDA / DSA by dsa_period; attention: full causal attention (dense baseline)
     dsa_period: int = 4
@@ -74,9 +75,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_kmer"):
+        for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_kmer",
+                     "kmer_embed"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.kmer_embed == 1 or self.kmer_embed > 10:
+            raise InputError(f"model.kmer_embed must be 0 (off) or 2..10 (a table of 4^k rows per "
+                             f"k), got {self.kmer_embed}")
         if self.vocab_size < VOCAB_SIZE:
             raise InputError(f"model.vocab_size must be >= {VOCAB_SIZE} (the nucleotide vocabulary)")
         if self.dsa_heads % self.dsa_kv_heads:

@@ -66,6 +66,7 @@ class DSALayer(nn.Module):
             self.wi_bias = nn.Parameter(torch.ones(cfg.index_heads))
             self.init_copying()
         self.dense_warmup = False  # set by the trainer: dense attention whatever indexer_mode says
+        self.indexer_kl: torch.Tensor | None = None  # the last training forward's KL (for the log)
         self.capture: SelectionCapture | None = None  # set by capture_selections (diagnostics)
 
     def forward(self, x: torch.Tensor, state: dict | None = None,
@@ -146,7 +147,9 @@ class DSALayer(nn.Module):
             return o, q.new_zeros((), dtype=torch.float)
         o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, return_probs=True,
                                 backend=backend)
-        return o, cfg.indexer_loss_weight * indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
+        kl = indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
+        self.indexer_kl = kl.detach()
+        return o, cfg.indexer_loss_weight * kl
 
     def attend_dense(self, q, k, v, qi, ki, wi):
         """The indexer warm-up: dense causal attention, the indexer trained toward its weights."""
@@ -156,8 +159,9 @@ class DSALayer(nn.Module):
             v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
         aux = q.new_zeros((), dtype=torch.float)
         if self._train_indexer():
-            aux = self.cfg.indexer_loss_weight * indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi,
-                                                                  block_q=self.cfg.dsa_block)
+            kl = indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=self.cfg.dsa_block)
+            self.indexer_kl = kl.detach()
+            aux = self.cfg.indexer_loss_weight * kl
         return o, aux
 
 

@@ -21,6 +21,7 @@ from .attention import AttentionLayer
 from .config import ModelConfig
 from .dsa import DSALayer
 from .kda import KDALayer
+from .kmer import KmerEmbedding
 from .layers import ROW_TILE, Linear, RMSNorm, SwiGLU, tiled_matmul
 from .moe import MoE
 
@@ -55,7 +56,8 @@ class LMOutput:
     targets (A/C/G/T and the caller's loss mask); ``aux_loss``: indexer KL + MoE balance;
     ``expert_load [n_moe_layers, E]``: routed tokens per expert; ``expert_margins
     [n_moe_layers, E, N_MARGIN_BINS]``: histograms of routing margins (see ``MoE.margins``);
-    ``n_tokens``: scored targets; ``logits [B, T, vocab]`` only when called without targets."""
+    ``n_tokens``: scored targets; ``logits [B, T, 4]`` (over A/C/G/T) only when called without
+    targets."""
 
     loss: torch.Tensor | None
     lm_loss: torch.Tensor | None
@@ -75,28 +77,48 @@ class HybridLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.kmers = KmerEmbedding(cfg.kmer_embed, cfg.d_model) if cfg.kmer_embed >= 2 else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size)
+        # the head scores the four bases only: targets that are not A/C/G/T never count in a loss,
+        # and a softmax over the specials too wasted the first steps learning never to predict them
+        self.head = None if cfg.tie_embeddings else Linear(cfg.d_model, N_BASES)
         nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+        if self.head is not None:
+            nn.init.zeros_(self.head.weight)  # starts at the uniform distribution, 2 bits/base
 
     def init_state(self) -> list[dict]:
-        """Empty streaming state: one dict per layer (KDA state + conv tail, DSA key caches)."""
-        return [{} for _ in self.blocks]
+        """Empty streaming state: one dict per layer (KDA state + conv tail, DSA key caches), then
+        one for the input (the last tokens, which the k-mer embedding reads)."""
+        return [{} for _ in self.blocks] + [{}]
+
+    def embed_tokens(self, input_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
+        """``[B, T]`` tokens -> ``[B, T, d]``: the token embedding plus, with ``kmer_embed``, the
+        embeddings of the exact k-mers ending at each position (their tokens before the piece are
+        carried in ``state``)."""
+        x = self.embed(input_ids.long())
+        if self.kmers is None:
+            return x
+        tail = None if state is None else state.get("ids")
+        if state is not None:
+            state["ids"] = self.kmers.tail(input_ids, tail)
+        return x + self.kmers(input_ids, tail).to(x.dtype)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and (tied or untied) head: ``[B, T, d] -> [B, T, vocab]`` fp32."""
-        weight = self.embed.weight if self.head is None else self.head.weight
+        """Final norm and (tied or untied) head: ``[B, T, d] -> [B, T, 4]`` fp32, over A/C/G/T."""
+        weight = self.embed.weight[:N_BASES] if self.head is None else self.head.weight
         return tiled_matmul(self.norm(h), weight).float()
 
     def _nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-target NLL ``[B, T]``; a target that is not a base gets a meaningless finite value
+        (the caller's mask drops it)."""
         logits = self._logits(h)
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(),
-                              reduction="none")
+        targets = targets.long().clamp(max=N_BASES - 1)
+        nll = F.cross_entropy(logits.reshape(-1, N_BASES), targets.reshape(-1), reduction="none")
         return nll.reshape(targets.shape)
 
     def forward(self, input_ids, targets=None, loss_mask=None, state: list[dict] | None = None):
-        x = self.embed(input_ids.long())
+        x = self.embed_tokens(input_ids, None if state is None else state[-1])
         aux = x.new_zeros((), dtype=torch.float)
         loads = []
         for i, block in enumerate(self.blocks):

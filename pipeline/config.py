@@ -52,7 +52,10 @@ class ModelSection:
 class TrainConfig:
     """Optimisation, schedule and memory knobs. ``steps`` count optimizer steps."""
 
-    steps: int = 40
+    steps: int = 128
+    # wall-clock cap on this invocation's training (Lightning's max_time): it stops at the first
+    # step past it and saves a checkpoint there; the LR schedule still assumes ``steps``
+    max_minutes: float | None = None
     batch_size: int = 1
     grad_accum: int = 1
     lr: float = 3e-3
@@ -65,13 +68,13 @@ class TrainConfig:
     precision: str = "fp32"
     seed: int = 0
     seq_warmup: bool = True  # short windows first, doubling up to data.window_length
-    seq_warmup_start: int = 4096
-    seq_warmup_steps: int = 8  # optimizer steps per length
+    seq_warmup_start: int = 2048
+    seq_warmup_steps: int = 40  # optimizer steps per length
     indexer_warmup_steps: int = 0  # first steps with dense DSA attention, the indexer fitted to it
     recompute: str = "none"
     offload: bool = False
     trim_heap: bool = False  # CPU: return freed heap to the OS between blocks (lower peak RSS)
-    checkpoint_every: int = 10
+    checkpoint_every: int = 64
     num_workers: int = 0
     # scale-out (megabase train --devices/--num-nodes/--context-parallel): world = devices * num_nodes
     # ranks, in groups of context_parallel sharing each sequence; batch_size is the global batch
@@ -203,6 +206,8 @@ def _build(cls, data: dict, prefix: str, source: str):
             raise InputError(f"{where} = {value!r} is not one of {', '.join(choices)}", source)
         if (prefix, name) in POSITIVE and value < 1:
             raise InputError(f"{where} must be at least 1, got {value}", source)
+        if (prefix, name) == ("train", "max_minutes") and value is not None and not value > 0:
+            raise InputError(f"{where} must be a positive number of minutes, got {value}", source)
         kwargs[name] = value
     return cls(**kwargs)
 

@@ -14,7 +14,8 @@ at any world size. Per layer kind:
 * DSA: index keys, keys and values are all-gathered; each rank runs the indexer (queries at its
   offset, keys over the whole prefix), sparse attention and the sparse indexer KL as the
   streaming scorer does. The KL is scaled by the shard's share of the queries. The k-mer hash
-  (``dsa_kmer``) reads the previous rank's last tokens, as the KDA conv reads its last inputs.
+  (``dsa_kmer``) reads the previous rank's last tokens, as the KDA conv reads its last inputs;
+  so does the input's k-mer embedding (``kmer_embed``).
 * MoE: routing stays local; the sequence-wise balance loss uses the sequence's global counts.
 
 Every exchange is an all-gather whose backward all-reduces the gradient and keeps the rank's own
@@ -163,6 +164,14 @@ def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None, ids=No
     return layer.o_proj(o.reshape(B, T, layer.HQ * layer.D)), aux / cp.size
 
 
+def _embed_tokens(model, cp: ContextParallel, input_ids: torch.Tensor, state=None):
+    if state is not None:
+        raise ValueError("streaming (state=...) is single-process; score with one rank")
+    # the k-mer embedding's border: the previous rank's last tokens, as the DSA k-mer hash reads
+    before = cp.previous(input_ids[:, input_ids.shape[1] - (model.kmers.n - 1) :].long())
+    return type(model).embed_tokens(model, input_ids, None if cp.rank == 0 else {"ids": before})
+
+
 def _balance_loss(moe, cp: ContextParallel, load, share, T: int):
     return type(moe).balance_loss(moe, cp.all_reduce(load), share, T * cp.size)
 
@@ -184,6 +193,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -
                          "warm-up is single-process)")
     from megabase.model.moe import MoE
 
+    if model.kmers is not None:
+        model.embed_tokens = functools.partial(_embed_tokens, model, cp)
     for block in model.blocks:
         fn = _dsa_forward if block.kind == "dsa" else _kda_forward
         block.mixer.forward = functools.partial(fn, block.mixer, cp)

@@ -188,7 +188,9 @@ def print_train(result) -> None:
     for col in ("", "value"):
         table.add_column(col)
     table.add_row("steps", f"{result.steps}" + (f" (resumed at {result.resumed_from})"
-                                                 if result.resumed_from else ""))
+                                                 if result.resumed_from else "")
+                  + (f" of {result.planned_steps}: train.max_minutes reached"
+                     if result.planned_steps else ""))
     if rows:
         first, last = rows[0], rows[-1]
         table.add_row("loss (bits/base)", f"{first['bits_per_base']:.4f} at step {first['step']} "

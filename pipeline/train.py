@@ -8,6 +8,7 @@ Layout of a run, under ``WORKDIR/runs/NAME``: ``config.yaml`` (resolved), ``trai
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import warnings
@@ -75,6 +76,7 @@ class TrainResult:
     seconds: float
     resumed_from: int
     is_global_zero: bool = True
+    planned_steps: int | None = None  # train.steps, when train.max_minutes stopped it before
 
 
 def run_dir(cfg: RunConfig) -> Path:
@@ -163,6 +165,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     saver = PeriodicCheckpoint(out, t.checkpoint_every)
     trainer = pl.Trainer(
         **trainer_kwargs(t.devices, t.num_nodes), max_steps=t.steps, max_epochs=-1,
+        max_time=None if t.max_minutes is None else datetime.timedelta(minutes=t.max_minutes),
         precision="bf16-mixed" if t.precision == "bf16" else "32-true",
         accumulate_grad_batches=t.grad_accum, gradient_clip_val=t.grad_clip or None,
         logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -189,7 +192,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         if path.is_file():
             client.log_artifact(run_id, str(path))
     return TrainResult(out, final, steps, lit.history, uri, run_id,
-                       time.perf_counter() - started, start_step)
+                       time.perf_counter() - started, start_step,
+                       planned_steps=t.steps if steps < t.steps else None)
 
 
 def check_data_position(ckpt: Path, state: dict, expected: int, seed: int) -> None:

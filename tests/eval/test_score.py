@@ -27,3 +27,18 @@ def test_truncation_control_limits_context():
 
     out = truncated(spy, 100)(np.zeros(450, np.uint8))
     assert seen == [100, 200, 200, 200, 150] and out.shape == (450,)
+
+
+def test_batched_control_equals_one_piece_at_a_time(bundled_store):
+    import torch
+
+    from megabase.eval.score import ModelScorer
+    from megabase.model import build_model
+
+    torch.manual_seed(0)
+    scorer = ModelScorer(build_model("debug"))
+    tokens = np.array(bundled_store.tokens("chr22")[:1_037])
+    batched = truncated(scorer, 100, batch=3)(tokens)
+    alone = truncated(lambda t: scorer(t), 100)(tokens)  # no ``many``: piece by piece
+    assert np.isfinite(batched).sum() > 1_000
+    assert np.allclose(batched, alone, rtol=1e-5, atol=1e-5, equal_nan=True)

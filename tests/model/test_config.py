@@ -12,9 +12,12 @@ def test_glm5_flash_layer_pattern():
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_states_its_parameter_counts(name):
-    counts = parameter_counts(get_preset(name))
-    dense = get_preset(name).mixer == "attention"
-    assert 0 < counts["active"] <= counts["total"] and (counts["active"] == counts["total"]) == dense
+    cfg = get_preset(name)
+    counts = parameter_counts(cfg)
+    # a token uses one row of each k-mer table (k = 2..kmer_embed), and top-k of the routed experts
+    unused_kmer_rows = sum(4**k + 1 for k in range(2, cfg.kmer_embed + 1)) - (cfg.kmer_embed - 1)
+    idle = counts["total"] - counts["active"] - (unused_kmer_rows * cfg.d_model if cfg.kmer_embed else 0)
+    assert 0 < counts["active"] <= counts["total"] and (idle == 0) == (cfg.mixer == "attention")
 
 
 def test_the_dense_baseline_matches_cpu_small_in_active_parameters():
