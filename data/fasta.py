@@ -140,7 +140,8 @@ def read_fasta(
     """Yield the records of a FASTA file, tokenized.
 
     Args:
-        path: plain, gzip or bgzip FASTA. Any line width, CRLF, blank lines, lower case, IUPAC.
+        path: plain, gzip or bgzip FASTA. Any line width, CRLF or CR-only line ends, blank lines,
+            lower case, IUPAC. A regular file: pipes and devices are refused.
         keep: called with each record name; records it rejects are skipped (not tokenized).
         on_read: called with the number of (compressed) bytes consumed, for progress bars.
         sink: called when a kept record starts; its result receives the record's chunks as they
@@ -158,6 +159,9 @@ def read_fasta(
         raise InputError("no such file", path)
     if path.is_dir():
         raise InputError("is a directory, not a FASTA file", path)
+    if not path.is_file():  # checked by stat, so a FIFO cannot hang us here
+        raise InputError("is not a regular file (a pipe, FIFO or device): megabase reads a FASTA "
+                         "twice (records, then its checksum); save it to a file first", path)
     try:
         raw, stream = _open_stream(path, on_read)
     except OSError as exc:
@@ -180,12 +184,16 @@ def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
 
     Errors raised by the consumer of this generator (a full disk, say) do not pass through here.
     """
-    carry = b""
+    carry, cr_only = b"", None
     try:
         while True:
             chunk = stream.read(CHUNK)
             if not chunk:
                 break
+            if cr_only is None:  # classic Mac OS line ends, "\r" alone: read them as "\n"
+                cr_only = b"\r" in chunk and b"\n" not in chunk
+            if cr_only:
+                chunk = chunk.replace(b"\r", b"\n")
             data = carry + chunk if carry else chunk
             cut = data.rfind(b"\n") + 1
             if cut == 0:

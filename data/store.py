@@ -17,11 +17,13 @@ the input. The FASTA is only read, so it may sit on read-only storage.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import replace_dir
 from .errors import InputError
 from .fasta import Record, read_fasta
 from .names import aliases, resolve_name
@@ -69,6 +70,8 @@ def _source_info(fasta: Path) -> dict:
 
 def _safe_filename(name: str, taken: set[str]) -> str:
     base = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "record"
+    if len(base) > 100:  # file names stop at 255 bytes; the manifest keeps the whole name
+        base = f"{base[:80]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
     stem, k = base, 1
     while stem.lower() in taken:
         k += 1
@@ -107,6 +110,43 @@ class _RecordFiles:
             fh.close()
 
 
+def _remove_stale_temps(out: Path) -> None:
+    """Temp folders of earlier prepares of ``out`` whose process is gone (a SIGKILL, a power
+    cut): ``.<out>.tmp-<pid>-*`` with a dead pid. Nothing else is touched."""
+    for tmp in out.parent.glob(f".{glob.escape(out.name)}.tmp-*-*"):
+        pid = tmp.name[len(out.name) + 6 :].split("-", 1)[0]
+        if not pid.isdigit() or not tmp.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def _install(tmp: Path, out: Path, old: dict | None) -> None:
+    """Move the store built in ``tmp`` to ``out``. An earlier store there loses only the files
+    its manifest lists (what megabase wrote); anything else in the folder stays. The manifest
+    is replaced after the records it names, so a reader never sees it ahead of them."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    (out / "records").mkdir(exist_ok=True)
+    new_files = set()
+    for path in (tmp / "records").iterdir():
+        os.replace(path, out / "records" / path.name)
+        new_files.add(f"records/{path.name}")
+    os.replace(tmp / MANIFEST, out / MANIFEST)
+    for rec in (old or {}).get("records", []):
+        for key in ("tokens", "mask"):
+            name = rec.get(key)
+            if isinstance(name, str) and name not in new_files and name.startswith("records/") \
+                    and "/" not in name[len("records/"):]:
+                (out / name).unlink(missing_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _existing_manifest(out: Path) -> dict | None:
     """The manifest of a store at ``out``; None if there is nothing there. Refuses foreign dirs."""
     if not out.exists():
@@ -121,8 +161,11 @@ def _existing_manifest(out: Path) -> dict | None:
     try:
         data = json.loads(manifest.read_text())
     except (OSError, ValueError):
-        return {}
-    return data if data.get("format") == FORMAT else {}
+        data = None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise InputError(f"holds a {MANIFEST} that megabase did not write; megabase replaces only "
+                         "stores it made: choose another --out", out)
+    return data
 
 
 def _is_current(manifest: dict | None, out: Path, fasta: Path, source: dict, selection) -> bool:
@@ -170,7 +213,8 @@ def prepare(
         return PrepareResult(out, manifest["records"], source["size"], 0.0, skipped=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _remove_stale_temps(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         tmp.chmod(0o777 & ~_umask())
         started = time.perf_counter()
@@ -180,6 +224,12 @@ def prepare(
             resolve_name(requested, seen, str(fasta))
         if not records:
             raise InputError("contains no sequence records", fasta)
+        if not any(rec["length"] for rec in records):
+            raise InputError(f"its {len(records)} record(s) hold no bases", fasta)
+        for rec in records:
+            if not rec["length"]:
+                print(f"warning: {fasta}: record {rec['name']!r} holds no bases; windows leave it "
+                      "out", file=sys.stderr)
         source["sha256"] = file_sha256(fasta)
         manifest = {
             "format": FORMAT,
@@ -191,7 +241,7 @@ def prepare(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        replace_dir(tmp, out)
+        _install(tmp, out, _existing_manifest(out))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megabase.data.errors import InputError
 
@@ -39,6 +40,15 @@ class Comparison:
         return buf.getvalue()
 
 
+def _label(report: dict, ref: str) -> str:
+    """A report's name; reports written before evaluate named a run's checkpoints by their run
+    ("model step-000128") get the run's name too."""
+    name, ckpt = report.get("name", ref), Path(report.get("checkpoint", ""))
+    if name.startswith("model ") and ckpt.parent.name == "checkpoints":
+        return f"{ckpt.parent.parent.name} {ckpt.name}"
+    return name
+
+
 def compare(refs: list[str], tracking_uri: str | None = None,
             with_baselines: bool = False) -> Comparison:
     """Load every report in ``refs`` (a report.json, its directory, or an MLflow run id) and line
@@ -48,7 +58,7 @@ def compare(refs: list[str], tracking_uri: str | None = None,
     curves: dict[str, dict] = {}
     for ref in refs:
         report = load_report(ref, tracking_uri)
-        named = series(report) if with_baselines else {report.get("name", ref): report}
+        named = series(report) if with_baselines else {_label(report, ref): report}
         for name, summary in named.items():
             label, n = name, 2
             while label in curves:  # two runs of one name stay two columns

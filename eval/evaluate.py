@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
     from megabase.model import load_checkpoint, read_checkpoint_config
 
     started = time.perf_counter()
+    check_arguments(edges=edges, controls=controls, n_boot=n_boot, probe_windows=probe_windows,
+                    segment=segment, out=Path(out) if out else Path(checkpoint) / "eval")
     config = read_checkpoint_config(checkpoint)
     tracking = None
     if track:
@@ -91,7 +94,10 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
     scorer = ModelScorer(model, segment)
     with scorer.counting_load() as load:
         scored = accumulate(scorer, store, wins, edges, progress, "model")
-    report = {"name": f"model {Path(checkpoint).name}", "checkpoint": str(Path(checkpoint).resolve()),
+    ckpt = Path(checkpoint).resolve()
+    # a run's checkpoint is named by its run, so that a sweep's reports stay apart in `compare`
+    owner = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else "model"
+    report = {"name": f"{owner} {ckpt.name}", "checkpoint": str(Path(checkpoint).resolve()),
               "data": str(Path(data).resolve()), "split": split, "n_windows": len(wins),
               "window_length": longest, "edges": edges,
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
@@ -128,6 +134,31 @@ def moe_load_summary(load) -> list[dict]:
         out.append({"layer": i, "max_over_mean": max(row) / mean if mean else None,
                     "idle_experts": sum(1 for c in row if c == 0), "tokens": [int(c) for c in row]})
     return out
+
+
+def check_arguments(edges=None, controls=(), n_boot: int = 1, probe_windows: int = 1,
+                    segment: int | None = None, out: Path | None = None) -> None:
+    """The arguments of :func:`evaluate`, checked before minutes of scoring: an InputError names
+    the argument and what is valid."""
+    if edges:
+        try:
+            check_edges(edges)
+        except (TypeError, ValueError):
+            raise InputError(f"edges must be integers that start at 0 and increase strictly, got "
+                             f"{list(edges)[:12]}") from None
+    for name, value in (("controls", c) for c in controls):
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be positive context lengths, got {value}")
+    for name, value in (("n_boot (bootstrap)", n_boot), ("probe_windows", probe_windows),
+                        ("segment", segment)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value}")
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise InputError("exists and is not a directory; choose another output folder", out)
+        parent = next(p for p in (out, *out.parents) if p.exists())
+        if not os.access(parent, os.W_OK):
+            raise InputError("is not writable; choose another output folder", parent)
 
 
 def _finish(report: dict, out: Path, tracking: dict | None) -> dict:

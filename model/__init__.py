@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint
+from .checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint, verify_checkpoint
 from .config import ModelConfig
 from .lm import HybridLM, LMOutput, log_probs
 from .presets import PRESETS, get_preset, parameter_counts
@@ -14,5 +14,5 @@ def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
     return HybridLM(cfg)
 
 
-__all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "ModelConfig", "HybridLM", "LMOutput", "log_probs", "PRESETS", "get_preset",
+__all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "verify_checkpoint", "ModelConfig", "HybridLM", "LMOutput", "log_probs", "PRESETS", "get_preset",
            "parameter_counts", "build_model"]

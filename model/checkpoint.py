@@ -1,13 +1,15 @@
 """Model checkpoints: a directory with ``model.safetensors`` and ``config.json``.
 
 ``config.json`` holds ``{"format", "version", "model": <ModelConfig fields>, "vocab", ...extra}``;
-``build_model``-compatible, human-readable, and loading never unpickles anything. Writes go to a
+``build_model``-compatible, human-readable, and loading never unpickles anything. ``sha256`` in it
+records every file's digest at write time; loading checks the weights against it. Writes go to a
 temporary sibling directory that is renamed into place, so a crash never leaves a half checkpoint.
 Optimizer and data-loader state, when a trainer saves them, sit beside these two files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -42,17 +44,37 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})
-        config = {"format": FORMAT, "version": VERSION, "model": model.cfg.to_dict(),
-                  "vocab": vocab_dict(), **(extra or {})}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
+        config = {"format": FORMAT, "version": VERSION, "model": model.cfg.to_dict(),
+                  "vocab": vocab_dict(), **(extra or {}),
+                  "sha256": {name: file_sha256(tmp / name) for name in [WEIGHTS, *(files or {})]}}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         tmp.chmod(0o755)
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path, names: tuple[str, ...] = (WEIGHTS,)) -> None:
+    """Checks ``names`` against the sha256 recorded when the checkpoint was written (checkpoints
+    from before checksums pass unchecked); a mismatch is an InputError naming the file."""
+    path = Path(path)
+    recorded = read_checkpoint_config(path).get("sha256") or {}
+    for name in names:
+        if name in recorded and file_sha256(path / name) != recorded[name]:
+            raise InputError(f"{name} is damaged: its sha256 differs from the one recorded when "
+                             "the checkpoint was written", path / name)
 
 
 def read_checkpoint_config(path: str | Path) -> dict:
@@ -76,6 +98,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Hyb
     from safetensors.torch import load_file
 
     config = read_checkpoint_config(path)
+    verify_checkpoint(path)
     model = HybridLM(ModelConfig.from_dict(config["model"]))
     state = load_file(str(Path(path) / WEIGHTS), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False)

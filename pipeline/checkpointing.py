@@ -11,7 +11,9 @@ leaves the previous checkpoint in place and still named.
 from __future__ import annotations
 
 import io
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,6 +21,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 from megabase.data.atomic import write_atomic
+from megabase.data.errors import InputError
 from megabase.model.checkpoint import WEIGHTS, save_checkpoint
 
 from .errors import CheckpointWriteError
@@ -58,18 +61,75 @@ class DirectoryCheckpointIO(CheckpointIO):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    pointer = run_dir / "checkpoints" / LATEST
-    if not pointer.is_file():
+STEP_NAME = re.compile(r"step-\d{6,}")
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's ``checkpoints/step-N`` folders that hold every file, oldest first."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if STEP_NAME.fullmatch(p.name)
+                   and (p / TRAINER_STATE).is_file() and (p / WEIGHTS).is_file()),
+                  key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names, or None for a run with no checkpoints.
+
+    A pointer that is not a ``step-N`` name, or that names a folder which is missing or
+    incomplete, or a run folder with checkpoints but no pointer, is an InputError offering the
+    newest complete checkpoint; with ``fallback`` that one is returned instead, with a warning.
+    """
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    complete = complete_checkpoints(run_dir)
+    if not pointer.is_file() and not complete:
         return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / TRAINER_STATE).is_file() else None
+    if pointer.is_file():
+        name = pointer.read_text(errors="replace").strip()
+        if not STEP_NAME.fullmatch(name):
+            problem = f"names {name[:60]!r}, not a checkpoint of this run (step-NNNNNN)"
+        elif (pointer.parent / name) in complete:
+            return pointer.parent / name
+        else:
+            problem = f"names {name}, which is missing or incomplete"
+    else:
+        problem = "is missing, yet the run holds checkpoints"
+    newest = complete[-1] if complete else None
+    if fallback and newest is not None:
+        print(f"warning: {pointer} {problem}; resuming from the newest complete checkpoint, "
+              f"{newest.name}", file=sys.stderr)
+        return newest
+    offer = (f"; `--resume` continues from the newest complete checkpoint, {newest.name}"
+             if newest is not None else "; no complete checkpoint is left: start another run name")
+    raise InputError(f"{problem}{offer}", pointer)
 
 
 def trainer_state(path: Path) -> dict:
-    """``trainer.pt`` of a checkpoint (optimizer, loops, RNG...), read without unpickling code."""
-    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    """``trainer.pt`` of a checkpoint (optimizer, loops, RNG...), read without unpickling code;
+    checked against its recorded sha256. A damaged file is an InputError naming it."""
+    from megabase.model import verify_checkpoint
+
+    verify_checkpoint(path, (TRAINER_STATE, WEIGHTS))
+    try:
+        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle: torch's hints are not for our users
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{TRAINER_STATE} cannot be read ({reason[:120]})", path / TRAINER_STATE) from None
+
+
+def resumable_state(run_dir: Path, ckpt: Path) -> tuple[dict, Path]:
+    """``(trainer_state, checkpoint)`` to resume from: ``ckpt``, or when its files are damaged
+    the newest complete checkpoint before it, with a warning; none left is the InputError."""
+    try:
+        return trainer_state(ckpt), ckpt
+    except InputError as damaged:
+        earlier = [p for p in complete_checkpoints(run_dir) if int(p.name[5:]) < int(ckpt.name[5:])]
+        if not earlier:
+            raise
+        print(f"warning: {damaged}; resuming from the checkpoint before it, {earlier[-1].name}",
+              file=sys.stderr)
+        return resumable_state(run_dir, earlier[-1])
 
 
 def saved_step(path: Path) -> int:
@@ -82,24 +142,27 @@ class PeriodicCheckpoint(pl.Callback):
 
     def __init__(self, run_dir: Path, every: int, keep: int = 2):
         self.dir, self.every, self.keep = Path(run_dir) / "checkpoints", every, keep
+        self.written: list[str] = []  # by this process: a folder left by another is overwritten
 
     def save(self, trainer: pl.Trainer) -> Path:
         name = f"step-{trainer.global_step:06d}"
         path = self.dir / name
-        # rank 0's view for every rank: a slower rank would see the files rank 0 just wrote and
-        # skip the collective save
-        if trainer.strategy.broadcast((path / TRAINER_STATE).is_file()):
+        if name in self.written:  # the end of training at a step just saved periodically
             return path
         try:
             trainer.save_checkpoint(path, weights_only=False)
         except OSError as exc:
-            kept = latest_checkpoint(self.dir.parent)
+            kept = complete_checkpoints(self.dir.parent)
             raise CheckpointWriteError(
                 f"could not write checkpoint {path}: {exc.strerror or exc}; "
-                f"{'kept ' + str(kept) if kept else 'no earlier checkpoint'}") from exc
+                f"{'kept ' + str(kept[-1]) if kept else 'no earlier checkpoint'}") from exc
+        self.written.append(name)
         if trainer.is_global_zero:  # the weights are the same on every rank; rank 0 writes them
             write_atomic(self.dir / LATEST, (name + "\n").encode())
-            for old in sorted(p for p in self.dir.glob("step-*") if p.is_dir())[: -self.keep]:
+            # step folders before this one, oldest first (other files in checkpoints/ stay)
+            older = [p for p in complete_checkpoints(self.dir.parent)
+                     if int(p.name[5:]) < trainer.global_step]
+            for old in older[: -(self.keep - 1) or None]:
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier("megabase.checkpoint")
         return path

@@ -7,7 +7,9 @@ Ctrl-C exits with 130. Heavy imports (torch, datasets) happen inside the subcomm
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,9 @@ def cmd_windows(args: argparse.Namespace) -> None:
         on_short=args.short,
     )
     if not windows:
+        if not any(per_split[s].dropped_n for s in per_split):  # nothing was N: nothing was there
+            raise InputError("the regions hold no bases (empty records or regions); choose others",
+                             store.path)
         raise InputError("every window was dropped; raise --max-n-frac or choose other regions",
                          store.path)
     out = Path(args.out) if args.out else store.path / f"windows-{args.length}.bed"
@@ -58,14 +63,21 @@ def cmd_export(args: argparse.Namespace) -> None:
           f"load with datasets.load_from_disk({str(args.out)!r})")
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x.replace("_", "")) for x in _csv(text)]
+    except ValueError:
+        raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from megabase.eval.evaluate import evaluate
 
     report = evaluate(
         args.checkpoint, args.data, out=args.out, windows=args.windows, split=args.split,
         regions=tuple(_csv(args.regions)), length=args.length,
-        edges=[int(e) for e in _csv(args.edges)] if args.edges else None,
-        controls=tuple(int(c) for c in _csv(args.controls)), probe=not args.no_probe,
+        edges=_ints(args.edges, "--edges") if args.edges else None,
+        controls=tuple(_ints(args.controls, "--controls")), probe=not args.no_probe,
         probe_windows=args.probe_windows, baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
         segment=args.segment, n_boot=args.bootstrap, seed=args.seed, progress=not args.quiet,
         mlflow_run=args.mlflow_run, experiment=args.experiment, tracking_uri=args.tracking_uri,
@@ -87,6 +99,8 @@ def cmd_baseline(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from megabase.eval.compare import compare
 
+    if args.csv and Path(args.csv).is_dir():
+        raise InputError("is a directory; --csv takes a file name", args.csv)
     table = compare(args.refs, tracking_uri=args.tracking_uri, with_baselines=args.baselines)
     summary.print_compare(table)
     if args.csv:
@@ -251,8 +265,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: temp folders go, nothing half-kept
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         args.func(args)
     except InputError as exc:
@@ -264,7 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megabase {args.command}: interrupted; nothing half-written was kept", file=sys.stderr)
         return 130
+    except OSError as exc:  # disk full, read-only folder, name too long, file-size limit...
+        print(f"megabase {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an OSError: the file (a long name shortened), the system's reason."""
+    name = str(exc.filename) if exc.filename is not None else ""
+    if len(name) > 120:
+        name = f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+    reason = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return f"{name}: {reason}" if name else reason
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ filled in, overrides applied) is what a run saves and logs.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -172,7 +174,9 @@ def _convert(value, hint, where: str, source: str):
                 int(str(value).replace("_", "").replace(",", ""))
         except ValueError:
             raise InputError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
-                             f"got {value!r}", source) from None
+                             f"got {_short(value)}", source) from None
+        if not math.isfinite(number):
+            raise InputError(f"{where} must be a finite number, got {value!r}", source)
         return number
     if hint is str:
         if isinstance(value, (dict, list)):
@@ -225,16 +229,40 @@ def _set(tree: dict, assignment: str) -> None:
             raise InputError(f"--set {assignment!r}: {part!r} is not a section")
         node = child
     if parts[-1] == "overrides" or (len(parts) >= 3 and parts[-2] == "overrides"):
-        import yaml
-
-        value = yaml.safe_load(value)
+        value = _yaml(value, f"--set {key.strip()}")
     node[parts[-1]] = value
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line quotes a value, never a whole one."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text):,} chars)"
+
+
+def _yaml(text: str, source: str):
+    """YAML without aliases: ``*name`` would let a few hundred bytes expand to gigabytes (a
+    "billion laughs"), and no megabase config needs one."""
+    import yaml
+
+    class NoAliases(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise InputError(f"YAML alias at line {mark.line + 1} (aliases are not allowed in "
+                                 "a megabase config: write the value out)", source)
+            return super().compose_node(parent, index)
+
+    try:
+        return yaml.load(text, Loader=NoAliases)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise InputError(f"not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}",
+                         source) from None
 
 
 def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults, then the YAML file ``path`` (if any), then each ``--set`` in order; validated."""
-    import yaml
-
     tree: dict = {}
     source = "--set"
     if path is not None:
@@ -242,12 +270,7 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
         source = str(path)
         if not path.is_file():
             raise InputError("config file not found", path)
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise InputError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", path) from None
+        tree = _yaml(path.read_text(), str(path)) or {}
     for assignment in sets:
         _set(tree, assignment)
     cfg = _build(RunConfig, tree, "", source)
@@ -256,7 +279,46 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
     get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error
     _check_parallel(cfg, source)
     _check_curriculum(cfg, source)
+    _check_bounds(cfg, source)
     return cfg
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MIN_WINDOW, MAX_WINDOW = 64, 1 << 24  # a window of a few k-mers; 16M tokens, past any GPU's memory
+MAX_TOKENS_PER_STEP = 1 << 26  # batch_size * window_length: 64M tokens
+MAX_STEPS = 10**9
+
+
+def _check_bounds(cfg: RunConfig, source: str) -> None:
+    """Values that parse but cannot work: refused now, in a line, not after gigabytes."""
+    t, d = cfg.train, cfg.data
+    if not NAME.fullmatch(cfg.name) or cfg.name in (".", ".."):
+        raise InputError(f"name {_short(cfg.name)} must be a plain name (letters, digits, '.', '_', "
+                         "'-'; at most 100; no '/'): it names the folder WORKDIR/runs/NAME", source)
+    if not MIN_WINDOW <= d.window_length <= MAX_WINDOW:
+        raise InputError(f"data.window_length must be within {MIN_WINDOW:,}-{MAX_WINDOW:,} bases, "
+                         f"got {d.window_length:,}", source)
+    if d.stride is not None and d.stride < 1:
+        raise InputError(f"data.stride must be at least 1, got {d.stride}", source)
+    if t.batch_size * d.window_length > MAX_TOKENS_PER_STEP:
+        raise InputError(f"train.batch_size * data.window_length = {t.batch_size * d.window_length:,} "
+                         f"tokens a step is over {MAX_TOKENS_PER_STEP:,}; use train.grad_accum for "
+                         "larger batches", source)
+    if t.steps > MAX_STEPS:
+        raise InputError(f"train.steps must be at most {MAX_STEPS:,}, got {t.steps:,}", source)
+    for name, lo, hi, closed in (("lr", 0.0, 1.0, False), ("beta1", 0.0, 1.0, False),
+                                 ("beta2", 0.0, 1.0, False), ("min_lr_ratio", 0.0, 1.0, True),
+                                 ("weight_decay", 0.0, 10.0, True), ("grad_clip", 0.0, 1e6, True)):
+        value = getattr(t, name)
+        low_ok = value > lo if name == "lr" else value >= lo
+        if not (low_ok and (value <= hi if closed else value < hi)):
+            interval = f"{'(' if name == 'lr' else '['}{lo:g}, {hi:g}{']' if closed else ')'}"
+            raise InputError(f"train.{name} must be within {interval}, got {value}", source)
+    if t.warmup_steps < 0:
+        raise InputError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}", source)
+    for name in ("max_n_frac", "rc_prob"):
+        if not 0.0 <= getattr(d, name) <= 1.0:
+            raise InputError(f"data.{name} must be within [0, 1], got {getattr(d, name)}", source)
 
 
 def _check_curriculum(cfg: RunConfig, source: str) -> None:

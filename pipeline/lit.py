@@ -37,6 +37,13 @@ def window_length_at(step: int, cfg: RunConfig) -> int:
     return min(full, t.seq_warmup_start * 2 ** (step // t.seq_warmup_steps))
 
 
+class StepLog(pl.Callback):
+    """Runs :meth:`LitLM.record_step` after every batch, ahead of the callbacks after it."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.record_step(batch_idx)
+
+
 class LitLM(pl.LightningModule):
     """One optimizer step = ``grad_accum`` batches of ``[B, L]`` windows.
 
@@ -128,7 +135,10 @@ class LitLM(pl.LightningModule):
                 self._margins = self.layout.sum(self._margins)
             self.model.update_moe_bias(self._load, self._margins)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
+    def record_step(self, batch_idx: int) -> None:
+        """The step's row: train log (on disk), history, MLflow, collapse warnings. Called by
+        :class:`StepLog`, a callback placed before the checkpoint's, so that a checkpoint of step
+        ``s`` is never on disk without the log row of ``s`` (a kill between them lost the row)."""
         if (batch_idx + 1) % self.cfg.train.grad_accum:
             return
         now = time.perf_counter()

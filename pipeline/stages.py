@@ -82,7 +82,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     stages["windows"] = "skipped (up to date)" if before == bed.stat().st_mtime_ns else "done"
 
     out = run_dir(cfg)
-    ckpt = latest_checkpoint(out)
+    ckpt = latest_checkpoint(out, fallback=True)  # `run` resumes on its own
     done = saved_step(ckpt) if ckpt is not None else 0
     if ckpt is not None and done >= cfg.train.steps:
         stages["train"] = f"skipped (checkpoint at step {done})"

@@ -125,8 +125,12 @@ def print_report(report: dict) -> None:
 
 
 def print_compare(table) -> None:
-    """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column."""
+    """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column; more
+    than three curves (a sweep) print one row per curve instead, so that the table stays readable."""
     console = Console()
+    if len(table.columns) > 3:
+        _print_compare_rows(console, table)
+        return
     out = Table(title="bits/base by prior context", title_justify="left")
     out.add_column("context")
     for name in table.columns:
@@ -153,6 +157,19 @@ def _num(x: float, signed: bool = False) -> str:
 def _mlflow_hint(uri: str, run_id: str) -> str:
     return (f"MLflow run {run_id} in {uri}\n  browse: mlflow ui --backend-store-uri {uri}  "
             "(then open http://127.0.0.1:5000)")
+
+
+def _print_compare_rows(console, table) -> None:
+    out = Table(title="bits/base by prior context, one row per curve", title_justify="left")
+    out.add_column("curve")
+    for row in table.rows:
+        out.add_column(f"[{row[0]:,}, {row[1]:,})" if row else "all", justify="right")
+    out.add_column("gain (all)", justify="right")
+    for c, name in enumerate(table.columns):
+        out.add_row(name, *[_num(b) for b in table.bits[c]], _num(table.gain(c)[-1], signed=True))
+    console.print(out)
+    console.print(f"gain = bits/base of {table.columns[0]!r} minus the row's: positive means fewer "
+                  "bits, a better model")
 
 
 def moe_warning(layer: int, ratio: float, idle: int, step: int) -> str:

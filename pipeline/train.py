@@ -109,24 +109,24 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     from megabase.model import build_model, read_checkpoint_config
 
     from .checkpointing import (
-        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, trainer_state,
+        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, resumable_state,
     )
     from .distributed import trainer_kwargs
-    from .lit import LitLM
+    from .lit import LitLM, StepLog
     from .stages import ensure_windows
 
     started = time.perf_counter()
     store = open_store(cfg)
     bed = ensure_windows(cfg, store)
     out = run_dir(cfg)
-    ckpt = latest_checkpoint(out)
+    ckpt = latest_checkpoint(out, fallback=resume)
     if ckpt is not None and not resume:
         raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
                          "or set name to start another", out)
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     start_step, run_id = 0, None
     if ckpt is not None:
-        state = trainer_state(ckpt)
+        state, ckpt = resumable_state(out, ckpt)
         start_step = int(state["global_step"])
         check_data_position(ckpt, state, start_step * per_step, cfg.train.seed)
         run_id = read_checkpoint_config(ckpt).get("mlflow", {}).get("run_id")
@@ -170,7 +170,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
         accumulate_grad_batches=t.grad_accum, gradient_clip_val=t.grad_clip or None,
         logger=logger, log_every_n_steps=1, enable_checkpointing=False,
         enable_model_summary=False, enable_progress_bar=progress, num_sanity_val_steps=0,
-        callbacks=[saver, *([TQDMProgressBar()] if progress else [])],
+        callbacks=[StepLog(), saver, *([TQDMProgressBar()] if progress else [])],
         plugins=[DirectoryCheckpointIO(model, lambda: extra)],
     )
     with warnings.catch_warnings():

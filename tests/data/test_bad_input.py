@@ -205,3 +205,118 @@ def test_ctrl_c_leaves_nothing(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["megabase prepare: interrupted; nothing half-written was kept"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.fa"]
+
+
+def test_a_record_name_too_long_for_a_file_name_is_kept_whole(tmp_path, capsys):
+    from megabase.data import TokenStore
+
+    name = "contig_" + "x" * 300
+    (tmp_path / "long.fa").write_text(f">{name}\n{'ACGT' * 50}\n>b\nACGT\n")
+    code, err = run(capsys, "prepare", tmp_path / "long.fa", "--out", tmp_path / "s")
+    assert code == 0, err
+    store = TokenStore(tmp_path / "s")
+    assert name in store.names and len(store.tokens(name)) == 200
+
+
+def test_a_file_size_limit_during_prepare_is_one_line_and_leaves_nothing(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "big.fa").write_text(">a\n" + "ACGT" * 200_000 + "\n")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "prepare",
+                           str(tmp_path / "big.fa"), "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, preexec_fn=limit)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
+    assert "File too large" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.fa"]
+
+
+def test_prepare_replaces_only_what_megabase_wrote(tmp_path, capsys, umaydis):
+    foreign = tmp_path / "web"
+    (foreign / "src").mkdir(parents=True)
+    (foreign / "manifest.json").write_text('{"name": "x"}')
+    (foreign / "thesis.txt").write_text("keep")
+    code, err = run(capsys, "prepare", umaydis, "--out", foreign, "--chroms", "chr22")
+    assert code == 2 and "did not write" in err and len(err.splitlines()) == 1
+    assert (foreign / "thesis.txt").read_text() == "keep" and (foreign / "src").is_dir()
+
+    store = tmp_path / "store"
+    assert run(capsys, "prepare", umaydis, "--out", store, "--chroms", "chr22")[0] == 0
+    (store / "notes.txt").write_text("mine")
+    (store / "windows.bed").write_text("chr22\t0\t10\n")
+    old_files = sorted(p.name for p in (store / "records").iterdir())
+    code, err = run(capsys, "prepare", umaydis, "--out", store, "--chroms", "chr01")
+    assert code == 0, err
+    assert (store / "notes.txt").read_text() == "mine" and (store / "windows.bed").is_file()
+    new_files = sorted(p.name for p in (store / "records").iterdir())
+    assert new_files != old_files and all("chr01" in n for n in new_files)
+
+
+def test_sigterm_during_prepare_cleans_up_and_stale_temps_are_removed(tmp_path, umaydis):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "megabase.pipeline.cli", "prepare", str(umaydis), "--out",
+           str(tmp_path / "s")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and not list(tmp_path.glob(".s.tmp-*")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait() == 130, proc.stderr.read()[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead, alive, other = (tmp_path / f".s.tmp-{gone}-x", tmp_path / f".s.tmp-{os.getpid()}-y",
+                          tmp_path / f".t.tmp-{gone}-z")
+    for d in (dead, alive, other):
+        d.mkdir()
+    (tmp_path / "x.fa").write_text(">a\nACGT\n")
+    assert subprocess.run([*cmd[:4], str(tmp_path / "x.fa"), "--out", str(tmp_path / "s")],
+                          capture_output=True).returncode == 0
+    assert not dead.exists() and alive.is_dir() and other.is_dir()
+
+
+def test_cr_only_line_ends_read_as_lines(tmp_path, capsys):
+    from megabase.data import TokenStore
+
+    (tmp_path / "mac.fa").write_bytes(b">a first\rACGT\rAC\r>b\rGGGG\r")
+    code, err = run(capsys, "prepare", tmp_path / "mac.fa", "--out", tmp_path / "s")
+    assert code == 0, err
+    store = TokenStore(tmp_path / "s")
+    assert store.names == ["a", "b"] and len(store.tokens("a")) == 6 and len(store.tokens("b")) == 4
+
+
+def test_a_pipe_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    fasta = b">a\n" + b"ACGT" * 2000 + b"\n"
+    proc = subprocess.run(f"cat | {sys.executable} -m megabase.pipeline.cli prepare /dev/stdin "
+                          f"--out {tmp_path / 's'}", shell=True, input=fasta, capture_output=True)
+    err = proc.stderr.decode().strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "not a regular file" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_records_without_bases(tmp_path, capsys):
+    (tmp_path / "none.fa").write_text(">a\n>b\n")
+    code, err = run(capsys, "prepare", tmp_path / "none.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, "none.fa", "hold no bases", out=tmp_path / "s")
+    (tmp_path / "some.fa").write_text(">a\n>b\n" + "ACGT" * 1000 + "\n")
+    code, err = run(capsys, "prepare", tmp_path / "some.fa", "--out", tmp_path / "s")
+    assert code == 0 and "record 'a' holds no bases; windows leave it out" in err
+    code, err = run(capsys, "windows", tmp_path / "s", "--length", "1000", "--out",
+                    tmp_path / "w.bed", "--split", "train=a,b")
+    assert code == 0, err
+    assert all(line.startswith("b\t") for line in (tmp_path / "w.bed").read_text().splitlines()
+               if not line.startswith("#"))
+    code, err = run(capsys, "windows", tmp_path / "s", "--length", "1000", "--out",
+                    tmp_path / "w2.bed", "--split", "train=a")
+    assert code == 2 and "hold no bases" in err and "max-n-frac" not in err

@@ -115,3 +115,10 @@ def test_compare_with_baselines_and_bad_refs(tracked, tmp_path, capsys):
         assert main(["compare", ref]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and ref in err
+
+
+def test_compare_of_a_sweep_prints_a_row_per_curve(tracked, capsys):
+    report = str(tracked["root"] / "model" / "report.json")
+    assert main(["compare", report, report, report, report]) == 0
+    out = capsys.readouterr().out
+    assert "one row per curve" in out and "(4)" in out and "gain (all)" in out
