@@ -267,12 +267,16 @@ class _Parser:
         done = None
         if self.record is not None and not self.skipping:
             done = self._complete(self.record)
-        text = header.decode("utf-8", errors="replace").strip()
+        text = header.decode("utf-8", errors="replace").rstrip()
         name, _, description = text.partition(" ")
         name = name.split("\t")[0]
         self.count += 1
-        if not name:
-            raise InputError(f"record {self.count} has an empty name (line '>{text}')", self.path)
+        if not name:  # "> desc only": the description is not a name
+            raise InputError(f"record {self.count} has an empty name (header {'>' + text[:60]!r})",
+                             self.path)
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):  # ESC & co. would reach terminals
+            raise InputError(f"record {self.count}'s name holds a control character "
+                             f"({name[:60]!r})", self.path)
         if name in self.seen:
             raise InputError(
                 f"duplicate record name (records {self.seen[name]} and {self.count})",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import current_umask
 from .errors import InputError
 from .fasta import Record, read_fasta
 from .names import aliases, resolve_name
@@ -55,12 +56,6 @@ class PrepareResult:
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _source_info(fasta: Path) -> dict:
@@ -216,7 +211,7 @@ def prepare(
     _remove_stale_temps(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())
+        tmp.chmod(0o777 & ~current_umask())
         started = time.perf_counter()
         records, seen = _write_records(fasta, tmp, chroms, progress, source["size"])
         seconds = time.perf_counter() - started

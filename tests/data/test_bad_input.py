@@ -320,3 +320,28 @@ def test_records_without_bases(tmp_path, capsys):
     code, err = run(capsys, "windows", tmp_path / "s", "--length", "1000", "--out",
                     tmp_path / "w2.bed", "--split", "train=a")
     assert code == 2 and "hold no bases" in err and "max-n-frac" not in err
+
+
+def test_files_megabase_writes_follow_the_umask(tmp_path):
+    import os
+
+    from megabase.data.atomic import write_atomic
+
+    old = os.umask(0o022)
+    try:
+        assert write_atomic(tmp_path / "a.txt", b"x").stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        assert write_atomic(tmp_path / "b.txt", b"x").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("header, needle", [
+    ("> desc only", "record 1 has an empty name (header '> desc only')"),
+    (">chr\x1b[31mred", "name holds a control character ('chr\\x1b[31mred')"),
+])
+def test_headers_without_a_clean_name(tmp_path, capsys, header, needle):
+    (tmp_path / "h.fa").write_text(f"{header}\nACGT\n")
+    code, err = run(capsys, "prepare", tmp_path / "h.fa", "--out", tmp_path / "s")
+    assert_clean_failure(code, err, tmp_path, needle, out=tmp_path / "s")
+    assert "\x1b" not in err
