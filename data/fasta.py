@@ -197,7 +197,11 @@ def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
             data = carry + chunk if carry else chunk
             cut = data.rfind(b"\n") + 1
             if cut == 0:
-                carry = data
+                if len(data) >= CHUNK and b">" not in data:  # a long line of bases: pass it on in
+                    carry = b""                              # pieces, so memory stays one chunk
+                    yield data
+                else:
+                    carry = data
                 continue
             carry = data[cut:]
             yield data[:cut]
@@ -233,6 +237,7 @@ class _Parser:
         self.skipping = False
         self.seen: dict[str, int] = {}
         self.count = 0
+        self.mid_line = False  # the last block ended inside a sequence line
 
     def where(self, what: str) -> str:
         if self.record is None:
@@ -240,7 +245,12 @@ class _Parser:
         return f"{what} (in record {self.record.name!r}, after {self.record.length:,} bases)"
 
     def feed(self, block: bytes) -> Iterator[Record]:
+        """Parse ``block``: whole lines, or a piece of a long sequence line (then the next block
+        goes on with that line, and a '>' at its start is a stray character, not a header)."""
         pos, size = 0, len(block)
+        if self.mid_line and block[:1] == b">":
+            self._invalid(self.record.length if self.record else 0, ord(">"))
+        self.mid_line = not block.endswith(b"\n")
         while pos < size:
             if block[pos] == 0x3E:  # '>'
                 eol = block.index(b"\n", pos)

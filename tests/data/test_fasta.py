@@ -94,3 +94,35 @@ def test_greater_than_inside_a_line_is_invalid(tmp_path):
     path.write_text(">a\nAC>GT\n")
     with pytest.raises(InputError, match=r"record 'a': invalid character '>' at base 3"):
         list(read_fasta(path))
+
+
+def test_memory_does_not_grow_with_line_length(tmp_path):
+    import tracemalloc
+
+    from megabase.data.fasta import CHUNK, read_fasta
+
+    rng = np.random.default_rng(0)
+    bases = np.frombuffer(b"ACGT", np.uint8)[rng.integers(0, 4, 3 * CHUNK)].tobytes()
+    one_line = tmp_path / "one.fa"
+    one_line.write_bytes(b">a\n" + bases + b"\n>b\nAC>GT\n")
+    wrapped = tmp_path / "wrapped.fa"
+    wrapped.write_bytes(b">a\n" + b"\n".join(bases[i:i + 80] for i in range(0, len(bases), 80))
+                        + b"\n>b\nACGT\n")
+
+    def peak(path):
+        tracemalloc.start()
+        try:
+            records = [(r.name, r.length) for r in read_fasta(path)]
+        except InputError as exc:
+            records = str(exc)
+        finally:
+            top = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        return records, top
+
+    (records, wrapped_peak), (error, single_peak) = peak(wrapped), peak(one_line)
+    assert records == [("a", len(bases)), ("b", 4)]
+    assert "'>'" in error and "record 'b'" in error  # a '>' inside a line is still caught
+    assert single_peak < 1.1 * wrapped_peak, (single_peak, wrapped_peak)  # was 1.37x
+    one_line.write_bytes(b">a\n" + bases + b"\n>b\nACGT\n")
+    assert peak(one_line)[0] == records
