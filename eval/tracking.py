@@ -40,16 +40,39 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
         if not uri.endswith(".db"):
             raise InputError(f"tracking URI {uri!r} is a file store, which MLflow >= 3.13 refuses; "
                              "pass sqlite:///path/mlflow.db (or a path ending in .db)")
-        return f"sqlite:///{Path(uri).resolve()}"
+        uri = f"sqlite:///{Path(uri).resolve()}"
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         path = path if path.is_absolute() else path.resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
+        _create_once(path)
         return f"sqlite:///{path}"
     if uri.startswith("file:"):
         raise InputError(f"tracking URI {uri!r} is a file store, which MLflow >= 3.13 refuses; "
                          "pass sqlite:///path/mlflow.db")
     return uri
+
+
+def _create_once(path: Path) -> None:
+    """Create (or bring up to date) a SQLite store once, under a lock beside it: two processes
+    that both find no store would otherwise race through MLflow's schema migrations, and one
+    fails. The lock file says ``ready`` once the schema is complete."""
+    marker = path.with_name(path.name + ".lock")
+    if path.is_file() and marker.is_file() and marker.read_text() == "ready\n":
+        return
+    import fcntl
+
+    with open(marker, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        if path.is_file() and lock.read() == "ready\n":
+            return  # another process made it while we waited
+        quiet_libraries()
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        SqlAlchemyStore(f"sqlite:///{path}", (path.parent / "mlartifacts").resolve().as_uri())
+        lock.truncate(0)
+        lock.write("ready\n")
 
 
 def quiet_libraries() -> None:

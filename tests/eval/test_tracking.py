@@ -122,3 +122,17 @@ def test_compare_of_a_sweep_prints_a_row_per_curve(tracked, capsys):
     assert main(["compare", report, report, report, report]) == 0
     out = capsys.readouterr().out
     assert "one row per curve" in out and "(4)" in out and "gain (all)" in out
+
+
+def test_two_processes_creating_one_fresh_store(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from megabase.eval.tracking import resolve_tracking_uri, _client, "
+            "experiment_id; uri = resolve_tracking_uri(sys.argv[1]); "
+            "print(experiment_id(_client(uri), uri, 'race'))")
+    db = str(tmp_path / "fresh" / "mlflow.db")
+    procs = [subprocess.Popen([sys.executable, "-c", code, db], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(), p.stdout.read().strip(), p.stderr.read()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-1500:] for _, _, err in results]
