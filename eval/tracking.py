@@ -240,6 +240,25 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+BIN_FIELDS = ("context_lo", "context_hi", "n_tokens", "bits_per_base")
+
+
+def check_report(report, source: str) -> None:
+    """The fields `compare` and the notebooks read, with their types; an InputError names the
+    first that is missing or wrong (a half-written or hand-edited report)."""
+    if not isinstance(report, dict) or not isinstance(report.get("bins"), list) \
+            or not isinstance(report.get("overall"), dict):
+        raise InputError("not a megabase report (no 'bins' list and 'overall' table)", source)
+    for i, b in enumerate([*report["bins"], report["overall"]]):
+        where = f"bins[{i}]" if i < len(report["bins"]) else "overall"
+        for key in BIN_FIELDS[2:] if where == "overall" else BIN_FIELDS:
+            value = b.get(key) if isinstance(b, dict) else None
+            if key != "bits_per_base" and not isinstance(value, int) or \
+                    key == "bits_per_base" and value is not None and not isinstance(value, (int, float)):
+                raise InputError(f"not a complete megabase report: {where}.{key} is "
+                                 f"{'missing' if value is None else repr(value)[:40]}", source)
+
+
 def load_report(ref: str, tracking_uri: str | None = None) -> dict:
     """A report from a ``report.json`` file, a directory holding one, or an MLflow run id."""
     path = Path(ref)
@@ -250,8 +269,7 @@ def load_report(ref: str, tracking_uri: str | None = None) -> dict:
             report = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InputError(f"not a report: {exc}", path) from None
-        if "bins" not in report or "overall" not in report:
-            raise InputError("not a megabase report (no 'bins'/'overall')", path)
+        check_report(report, str(path))
         report.setdefault("source", str(path))
         return report
     if "/" in ref or ref.endswith(".json") or Path(ref).suffix:
@@ -269,6 +287,7 @@ def load_report(ref: str, tracking_uri: str | None = None) -> dict:
             raise InputError(f"MLflow run {ref} has no {REPORT}; evaluate it with --mlflow-run "
                              f"{ref}") from None
         report = json.loads(Path(local).read_text())
+    check_report(report, f"MLflow run {ref}")
     report["name"] = run.info.run_name or report.get("name", ref)
     report["source"] = f"run {ref}"
     return report

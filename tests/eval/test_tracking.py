@@ -111,7 +111,9 @@ def test_compare_with_baselines_and_bad_refs(tracked, tmp_path, capsys):
     assert "control, context <= ~500 bits/base" in header
     capsys.readouterr()
     (tmp_path / "junk.json").write_text("{}")
-    for ref in (str(tmp_path / "junk.json"), str(tmp_path / "missing.json")):
+    (tmp_path / "half.json").write_text('{"bins": [{"context_lo": 0}], "overall": {}}')
+    for ref in (str(tmp_path / "junk.json"), str(tmp_path / "missing.json"),
+                str(tmp_path / "half.json")):
         assert main(["compare", ref]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and ref in err
