@@ -64,6 +64,11 @@ class DirectoryCheckpointIO(CheckpointIO):
 STEP_NAME = re.compile(r"step-\d{6,}")
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step in a ``step-N`` folder's name."""
+    return int(path.name[len("step-"):])
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The run's ``checkpoints/step-N`` folders that hold every file, oldest first."""
     folder = Path(run_dir) / "checkpoints"
@@ -71,7 +76,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         return []
     return sorted((p for p in folder.iterdir() if STEP_NAME.fullmatch(p.name)
                    and (p / TRAINER_STATE).is_file() and (p / WEIGHTS).is_file()),
-                  key=lambda p: int(p.name[5:]))
+                  key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
@@ -124,7 +129,7 @@ def resumable_state(run_dir: Path, ckpt: Path) -> tuple[dict, Path]:
     try:
         return trainer_state(ckpt), ckpt
     except InputError as damaged:
-        earlier = [p for p in complete_checkpoints(run_dir) if int(p.name[5:]) < int(ckpt.name[5:])]
+        earlier = [p for p in complete_checkpoints(run_dir) if checkpoint_step(p) < checkpoint_step(ckpt)]
         if not earlier:
             raise
         print(f"warning: {damaged}; resuming from the checkpoint before it, {earlier[-1].name}",
@@ -161,7 +166,7 @@ class PeriodicCheckpoint(pl.Callback):
             write_atomic(self.dir / LATEST, (name + "\n").encode())
             # step folders before this one, oldest first (other files in checkpoints/ stay)
             older = [p for p in complete_checkpoints(self.dir.parent)
-                     if int(p.name[5:]) < trainer.global_step]
+                     if checkpoint_step(p) < trainer.global_step]
             for old in older[: -(self.keep - 1) or None]:
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier("megabase.checkpoint")
