@@ -3,16 +3,47 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
+
+_TEMP = re.compile(r"\.tmp-(\d+)-[^/]*$")
+
+
+def temp_prefix(path: Path) -> str:
+    """Prefix of the temporary sibling of ``path``: ``.<name>.tmp-<pid>-``. The pid lets a later
+    process tell a temp left by a killed writer from one being written now."""
+    return f".{path.name}.tmp-{os.getpid()}-"
+
+
+def remove_stale_temps(parent: Path, name: str = "*") -> list[Path]:
+    """Remove the temporary siblings (files or folders ``.<name>.tmp-<pid>-*`` in ``parent``,
+    ``name`` a glob) whose writer is gone: a SIGKILL or a power cut. Temps of live processes and
+    everything else stay. Returns what was removed."""
+    removed = []
+    for tmp in Path(parent).glob(f".{name}.tmp-*-*"):
+        m = _TEMP.search(tmp.name)
+        if not m or tmp.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        except (PermissionError, OverflowError):  # alive, another user's; or no such pid at all
+            pass
+    return removed
 
 
 def write_atomic(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary sibling renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

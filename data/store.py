@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import current_umask
+from .atomic import current_umask, remove_stale_temps, temp_prefix
 from .errors import InputError
 from .fasta import Record, read_fasta
 from .names import aliases, resolve_name
@@ -103,21 +103,6 @@ class _RecordFiles:
             fh.seek(0)
             fh.write(_npy_header(descr, record.length))
             fh.close()
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Temp folders of earlier prepares of ``out`` whose process is gone (a SIGKILL, a power
-    cut): ``.<out>.tmp-<pid>-*`` with a dead pid. Nothing else is touched."""
-    for tmp in out.parent.glob(f".{glob.escape(out.name)}.tmp-*-*"):
-        pid = tmp.name[len(out.name) + 6 :].split("-", 1)[0]
-        if not pid.isdigit() or not tmp.is_dir():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
 
 
 def _install(tmp: Path, out: Path, old: dict | None) -> None:
@@ -208,8 +193,8 @@ def prepare(
         return PrepareResult(out, manifest["records"], source["size"], 0.0, skipped=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    remove_stale_temps(out.parent, glob.escape(out.name))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         tmp.chmod(0o777 & ~current_umask())
         started = time.perf_counter()

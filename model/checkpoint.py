@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megabase.data.atomic import replace_dir
+from megabase.data.atomic import replace_dir, temp_prefix
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
@@ -40,7 +40,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})

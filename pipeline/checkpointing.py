@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from megabase.data.atomic import write_atomic
+from megabase.data.atomic import remove_stale_temps, write_atomic
 from megabase.data.errors import InputError
 from megabase.model.checkpoint import WEIGHTS, save_checkpoint
 
@@ -171,6 +171,11 @@ class PeriodicCheckpoint(pl.Callback):
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier("megabase.checkpoint")
         return path
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero and self.dir.is_dir():  # temps of a run killed mid-write
+            for name in ("step-*", LATEST):
+                remove_stale_temps(self.dir, name)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         accum = trainer.accumulate_grad_batches

@@ -98,6 +98,25 @@ def test_damaged_weights_are_caught_and_resume_falls_back(bundled_store, tmp_pat
     assert "damaged" in err and "resuming from the checkpoint before it, step-000002" in err
 
 
+def test_temps_of_a_killed_checkpoint_write_are_removed_on_resume(bundled_store, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    assert main(["train", *tiny(tmp_path, bundled_store), "--quiet"]) == 0
+    ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead_dir, dead_file = ckpts / f".step-000006.tmp-{gone}-a", ckpts / f".latest.tmp-{gone}-b"
+    alive, mine = ckpts / f".step-000006.tmp-{os.getpid()}-c", ckpts / f"notes.tmp-{gone}-d"
+    dead_dir.mkdir(), alive.mkdir(), mine.mkdir()
+    (dead_dir / "model.safetensors").write_bytes(b"half")
+    dead_file.write_text("step-0000")
+    assert main(["train", *tiny(tmp_path, bundled_store, 6), "--resume", "--quiet"]) == 0
+    assert not dead_dir.exists() and not dead_file.exists() and alive.is_dir() and mine.is_dir()
+    assert (ckpts / "step-000006" / "config.json").is_file()
+
+
 def test_a_truncated_trainer_state_is_one_line(bundled_store, tmp_path, capsys):
     assert main(["train", *tiny(tmp_path, bundled_store, 2), "--quiet"]) == 0
     state = _ckpt(tmp_path / "runs" / "tiny", 2) / "trainer.pt"
