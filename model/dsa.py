@@ -20,6 +20,7 @@ from megabase.data.vocab import PAD
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
+from .sequence import ONE_PROCESS
 
 
 class DSALayer(nn.Module):
@@ -68,16 +69,25 @@ class DSALayer(nn.Module):
         self.dense_warmup = False  # set by the trainer: dense attention whatever indexer_mode says
         self.indexer_kl: torch.Tensor | None = None  # the last training forward's KL (for the log)
         self.capture: SelectionCapture | None = None  # set by capture_selections (diagnostics)
+        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
     def forward(self, x: torch.Tensor, state: dict | None = None,
                 ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, aux_loss)``; with ``state`` it attends over cached keys and extends the
         cache. ``ids [B, T]``: the tokens at these positions (needed with ``dsa_kmer``)."""
         B, T, _ = x.shape
-        q, k, v, qi, ki, wi = self.project(x, ids, None if state is None else state.get("ids"))
+        seq = self.sequence
+        if state is not None:
+            seq.check_streaming()
+            tail = state.get("ids")
+        elif self.kmer is not None:  # the tokens before this shard: the k-mer hash's border
+            tail = seq.before(ids, self.kmer.n)
+        else:
+            tail = None
+        q, k, v, qi, ki, wi = self.project(x, ids, tail)
         if state is not None and self.kmer is not None:
             state["ids"] = self.kmer.tail(ids, state.get("ids"))
-        offset = 0
+        offset = seq.offset(T)
         if state is not None and "k" in state:
             offset = state["k"].shape[1]
             k, v, ki = (torch.cat([state[n], t], dim=1) for n, t in (("k", k), ("v", v), ("ki", ki)))
@@ -86,8 +96,10 @@ class DSALayer(nn.Module):
         if (self.cfg.indexer_mode == "dense" or self.dense_warmup) and state is None:
             o, aux = self.attend_dense(q, k, v, qi, ki, wi)
         else:
+            k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
             o, aux = self.attend(q, k, v, qi, ki, wi, offset)
-        return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux
+        # the indexer KL is a mean over queries: each shard holds 1 / size of them
+        return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux / seq.size
 
     @torch.no_grad()
     def init_copying(self) -> None:

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megabase.kernels.kda import kda_chunk
-
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, ShortConv
+from .sequence import ONE_PROCESS
 
 MEMORY_RANGE = (2.0, 16384.0)  # initial per-channel memory lengths (tokens), log-uniform
 
@@ -45,12 +44,19 @@ class KDALayer(nn.Module):
         self.dt_bias = nn.Parameter(torch.logit(1.0 / (memory * -cfg.kda_lower_bound)))
         self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.o_proj = Linear(H * K, d)
+        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, aux_loss)``; with ``state`` (a dict) it continues from and updates it."""
-        q, k, v, g, beta, tail = self.features(self.qkv(x), x, None if state is None else state.get("conv"))
-        o, final = kda_chunk(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
-                             output_final_state=state is not None, backend=self.cfg.kda_backend)
+        seq, qkv = self.sequence, self.qkv(x)
+        if state is None:
+            tail = seq.before(qkv, self.cfg.kda_conv - 1)  # the conv's inputs across a shard border
+        else:
+            seq.check_streaming()
+            tail = state.get("conv")
+        q, k, v, g, beta, tail = self.features(qkv, x, tail)
+        o, final = seq.kda(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
+                           output_final_state=state is not None, backend=self.cfg.kda_backend)
         if state is not None:
             state["conv"], state["S"] = tail, final
         return self.output(o, x), x.new_zeros((), dtype=torch.float)

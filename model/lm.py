@@ -24,6 +24,7 @@ from .kda import KDALayer
 from .kmer import KmerEmbedding
 from .layers import ROW_TILE, Linear, RMSNorm, SwiGLU, tiled_matmul
 from .moe import MoE
+from .sequence import ONE_PROCESS
 
 
 class Block(nn.Module):
@@ -83,6 +84,7 @@ class HybridLM(nn.Module):
         # the head scores the four bases only: targets that are not A/C/G/T never count in a loss,
         # and a softmax over the specials too wasted the first steps learning never to predict them
         self.head = None if cfg.tie_embeddings else Linear(cfg.d_model, N_BASES)
+        self.sequence = ONE_PROCESS
         nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
         if self.head is not None:
             nn.init.zeros_(self.head.weight)  # starts at the uniform distribution, 2 bits/base
@@ -99,10 +101,21 @@ class HybridLM(nn.Module):
         x = self.embed(input_ids.long())
         if self.kmers is None:
             return x
-        tail = None if state is None else state.get("ids")
-        if state is not None:
+        if state is None:  # the tokens before this shard, if the sequence is sharded
+            tail = self.sequence.before(input_ids, self.kmers.n - 1)
+        else:
+            self.sequence.check_streaming()
+            tail = state.get("ids")
             state["ids"] = self.kmers.tail(input_ids, tail)
         return x + self.kmers(input_ids, tail).to(x.dtype)
+
+    def set_sequence(self, sequence) -> "HybridLM":
+        """Run the layers on ``sequence``: :data:`~megabase.model.sequence.ONE_PROCESS` or a
+        context group (every module with a ``sequence`` attribute gets it)."""
+        for module in self.modules():
+            if "sequence" in vars(module):
+                module.sequence = sequence
+        return self
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and (tied or untied) head: ``[B, T, d] -> [B, T, 4]`` fp32, over A/C/G/T."""

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .layers import ROW_TILE, Linear, SwiGLU
+from .sequence import ONE_PROCESS
 
 EXPERT_TILE = 64  # an expert sees ~ROW_TILE * k / E rows of a group: small tiles waste less padding
 
@@ -95,6 +96,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.randn(E, d, 2 * h) * d**-0.5)
         self.w2 = nn.Parameter(torch.randn(E, h, d) * h**-0.5)
         self.shared = SwiGLU(d, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
+        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
     def _route(self, x: torch.Tensor):
         """``x [n, d]`` -> (scores [n, E] fp32, selected experts [n, k], gates [n, k])."""
@@ -158,7 +160,9 @@ class MoE(nn.Module):
                 seq_stats, seq_share = seq_stats + cnt, seq_share + share
             stats = stats + seq_stats
             if self.cfg.seq_aux_weight > 0 and T > 0:
-                aux = aux + self.balance_loss(seq_stats[:, 0], seq_share, T) / B
+                # a shard's sequence is the whole of it: its counts summed over the context group
+                aux = aux + self.balance_loss(self.sequence.total(seq_stats[:, 0]), seq_share,
+                                              T * self.sequence.size) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
         return y, aux, stats.detach()
 

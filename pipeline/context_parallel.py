@@ -2,7 +2,9 @@
 
 Applied to a built :class:`~megabase.model.HybridLM` from outside (before recompute and offload),
 as torchtitan applies its parallelisms; parameter names do not change, so checkpoints are the same
-at any world size. Per layer kind:
+at any world size. The layers keep their one forward: :class:`ContextParallel` is the
+:mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``total``) done with
+collectives, handed to every layer by ``HybridLM.set_sequence``. Per layer kind:
 
 * KDA: the recurrence ``S_t = A_t S_{t-1} + beta_t k_t v_t^T`` (``A_t = (I - beta_t k_t k_t^T)
   Diag(exp g_t)``) is affine in the state, so a shard maps its incoming state ``S`` to
@@ -26,7 +28,6 @@ group gives exactly the single-process gradients.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +35,14 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megabase.kernels.kda import kda_chunk, kda_final_state
+from megabase.model.sequence import OneProcess
 
 
 @dataclass(frozen=True)
-class ContextParallel:
+class ContextParallel(OneProcess):
     """This rank's place in a context-parallel group of ``size`` ranks (``group``: its process
-    group; ``None`` is the default group)."""
+    group; ``None`` is the default group). Every rank must run the same layers together: each
+    step below is a collective."""
 
     rank: int
     size: int
@@ -57,13 +60,36 @@ class ContextParallel:
         """``x`` of every rank, stacked: ``[P, *x.shape]``; differentiable (see module docs)."""
         return _AllGather.apply(x.contiguous(), self)
 
-    def previous(self, x: torch.Tensor) -> torch.Tensor:
-        """The previous rank's ``x`` (zeros on rank 0)."""
-        every = self.gather(x)
+    def before(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The previous rank's last ``n`` rows of ``x [B, T, ...]``; on rank 0 zeros (``None`` for
+        tokens, which the layers pad). Differentiable for floating ``x``."""
+        if n == 0:
+            return None
+        last = x[:, x.shape[1] - n :]
+        if not x.is_floating_point():
+            every = self.gather(last.long())
+            return None if self.rank == 0 else every[self.rank - 1]
+        every = self.gather(last)
         # through the gathered tensor on every rank, rank 0 included, so all ranks join its backward
         return torch.cat([torch.zeros_like(every[:1]), every[:-1]])[self.rank]
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def prefix(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each ``x [B, T, ...]`` preceded by the same tensor of every earlier rank: ``[B, (rank + 1)
+        * T, ...]``. One exchange for all of them; each rank's own slice is used by it and by every
+        later rank, so its gradient is the sum of those uses."""
+        shapes = [x.shape[2:] for x in xs]
+        every = self.gather(torch.cat([x.flatten(2) for x in xs], dim=-1))
+        prefix = every[: self.rank + 1].transpose(0, 1).flatten(1, 2)
+        parts = prefix.split([x[0, 0].numel() for x in xs], dim=-1)
+        return tuple(p.unflatten(-1, shape) for p, shape in zip(parts, shapes))
+
+    def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
+        """The KDA op over the sharded sequence (see :func:`kda_context_parallel`)."""
+        if initial_state is not None or output_final_state:
+            self.check_streaming()
+        return kda_context_parallel(q, k, v, g, beta, self, backend=backend), None
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the group (no gradient)."""
         return summed(x, self.group)
 
@@ -133,49 +159,6 @@ def _shard_map(q, k, v, g, beta, cp: ContextParallel, backend: str) -> torch.Ten
     return state
 
 
-def _kda_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None):
-    if state is not None:
-        raise ValueError("streaming (state=...) is single-process; score with one rank")
-    qkv = layer.qkv(x)
-    width = layer.cfg.kda_conv - 1
-    tail = cp.previous(qkv[:, qkv.shape[1] - width :]) if width else None
-    q, k, v, g, beta, _ = layer.features(qkv, x, tail)
-    o = kda_context_parallel(q, k, v, g, beta, cp, backend=layer.cfg.kda_backend)
-    return layer.output(o, x), x.new_zeros((), dtype=torch.float)
-
-
-def _dsa_forward(layer, cp: ContextParallel, x: torch.Tensor, state=None, ids=None):
-    if state is not None:
-        raise ValueError("streaming (state=...) is single-process; score with one rank")
-    B, T, _ = x.shape
-    tail = None
-    if layer.kmer is not None:  # the tokens before this shard: the k-mer hash's border
-        before = cp.previous(ids[:, ids.shape[1] - layer.kmer.n :].long())
-        tail = None if cp.rank == 0 else before
-    q, k, v, qi, ki, wi = layer.project(x, ids, tail)
-    # one exchange for keys, values and index keys; only the prefix up to this rank's shard is
-    # used, its own slice included, so its gradient is summed with the other ranks' use of it
-    sizes = [k[0, 0].numel(), v[0, 0].numel(), ki[0, 0].numel()]
-    every = cp.gather(torch.cat([k.flatten(2), v.flatten(2), ki], dim=-1))
-    prefix = every[: cp.rank + 1].transpose(0, 1).flatten(1, 2)  # [B, (rank + 1) * T, ...]
-    k, v, ki = prefix.split(sizes, dim=-1)
-    k, v = k.unflatten(-1, (layer.H, layer.D)), v.unflatten(-1, (layer.H, layer.D))
-    o, aux = layer.attend(q, k, v, qi, ki, wi, offset=cp.rank * T)
-    return layer.o_proj(o.reshape(B, T, layer.HQ * layer.D)), aux / cp.size
-
-
-def _embed_tokens(model, cp: ContextParallel, input_ids: torch.Tensor, state=None):
-    if state is not None:
-        raise ValueError("streaming (state=...) is single-process; score with one rank")
-    # the k-mer embedding's border: the previous rank's last tokens, as the DSA k-mer hash reads
-    before = cp.previous(input_ids[:, input_ids.shape[1] - (model.kmers.n - 1) :].long())
-    return type(model).embed_tokens(model, input_ids, None if cp.rank == 0 else {"ids": before})
-
-
-def _balance_loss(moe, cp: ContextParallel, load, share, T: int):
-    return type(moe).balance_loss(moe, cp.all_reduce(load), share, T * cp.size)
-
-
 def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -> torch.nn.Module:
     """Make every layer of ``model`` (a HybridLM) run its shard of a sequence split across ``cp``.
 
@@ -191,14 +174,6 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -
     if model.cfg.indexer_mode != "sparse" and any(b.kind == "dsa" for b in model.blocks):
         raise ValueError("context parallelism needs model.indexer_mode=sparse (the dense indexer "
                          "warm-up is single-process)")
-    from megabase.model.moe import MoE
-
-    if model.kmers is not None:
-        model.embed_tokens = functools.partial(_embed_tokens, model, cp)
-    for block in model.blocks:
-        fn = _dsa_forward if block.kind == "dsa" else _kda_forward
-        block.mixer.forward = functools.partial(fn, block.mixer, cp)
-        if isinstance(block.ffn, MoE):
-            block.ffn.balance_loss = functools.partial(_balance_loss, block.ffn, cp)
+    model.set_sequence(cp)
     model.context_parallel = cp
     return model

@@ -8,8 +8,6 @@ are unchanged, so checkpoints load with or without the knobs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -28,16 +26,46 @@ def _context():
     return create_selective_checkpoint_contexts(_keep_selections)
 
 
-def _checkpointed(forward):
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
+def wrap(module: torch.nn.Module, behaviour: type) -> torch.nn.Module:
+    """Give ``module`` a ``behaviour`` (a class whose ``forward`` calls ``super().forward``) by
+    making it an instance of a subclass of both, as torch's ``fully_shard`` does. Unlike a wrapper
+    module, parameter names, attributes and ``isinstance`` checks stay as they were, so checkpoints
+    load with or without the knob; unlike a rebound ``forward``, the class says what was applied.
+    Applying a behaviour twice changes nothing."""
+    cls = type(module)
+    if issubclass(cls, behaviour):
+        return module
+    key = (behaviour, cls)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"{behaviour.__name__}{cls.__name__}", (behaviour, cls), {})
+    module.__class__ = _SUBCLASSES[key]
+    return module
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+class Recomputed:
+    """Activation recompute of a block or mixer: its backward reruns its forward. Calls without
+    autograd or with a streaming state (the second argument) run plainly."""
+
+    def forward(self, *args, **kwargs):
         streaming = kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None)
         if torch.is_grad_enabled() and not streaming:
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
-        return forward(*args, **kwargs)
+            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_context,
+                              **kwargs)
+        return super().forward(*args, **kwargs)
 
-    wrapper.__megabase_recompute__ = True
-    return wrapper
+
+class Offloaded:
+    """Tensors saved for backward go to host memory (pinned on CUDA) while the forward runs."""
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in self.parameters())
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return super().forward(*args, **kwargs)
 
 
 def apply_recompute(model: torch.nn.Module, mode: str = "layer") -> torch.nn.Module:
@@ -53,9 +81,7 @@ def apply_recompute(model: torch.nn.Module, mode: str = "layer") -> torch.nn.Mod
     if mode == "none":
         return model
     for block in model.blocks:
-        target = block if mode == "layer" else block.mixer
-        if not getattr(target.forward, "__megabase_recompute__", False):
-            target.forward = _checkpointed(target.forward)
+        wrap(block if mode == "layer" else block.mixer, Recomputed)
     return model
 
 
@@ -64,21 +90,7 @@ def apply_offload(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Modu
 
     On a CPU-only run activations already live in host memory, so this changes nothing there.
     """
-    if not enabled or getattr(model.forward, "__megabase_offload__", False):
-        return model
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def wrapper(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-            return forward(*args, **kwargs)
-
-    wrapper.__megabase_offload__ = True
-    model.forward = wrapper
-    return model
+    return wrap(model, Offloaded) if enabled else model
 
 
 def apply_heap_trim(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:

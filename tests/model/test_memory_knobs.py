@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megabase.model import build_model
-from megabase.pipeline.memory import apply_heap_trim, apply_offload, apply_recompute
+from megabase.pipeline.memory import (Offloaded, Recomputed, apply_heap_trim, apply_offload,
+                                      apply_recompute)
 from tests.kernels.tolerances import assert_close, rel_rms
 
 
@@ -51,6 +52,9 @@ def test_recompute_is_idempotent_and_keeps_parameter_names():
     apply_recompute(apply_recompute(model, "layer"), "layer")
     apply_offload(apply_offload(model))
     assert [n for n, _ in model.named_parameters()] == names
+    assert all(type(b).__mro__.count(Recomputed) == 1 for b in model.blocks)
+    assert isinstance(model, Offloaded) and "forward" not in vars(model)  # no rebound forward
+    build_model("debug").load_state_dict(model.state_dict())  # the same checkpoint either way
     with pytest.raises(ValueError, match="unknown recompute mode"):
         apply_recompute(model, "sometimes")
 

@@ -44,11 +44,11 @@ def _loss_and_grads(model, ids, targets, layout=None):
     return float(step.lm_loss + step.aux_loss), grads
 
 
-def _worker(rank: int, world: int, tokens, init: str, results):
+def _worker(rank: int, world: int, tokens, init: str, results, stacks=STACKS):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         layout = make_layout(context_parallel=world)
-        for name, overrides in STACKS.items():
+        for name, overrides in stacks.items():
             torch.manual_seed(0)
             model = parallelize(build_model("debug", **overrides), layout)
             loss, grads = _loss_and_grads(model, tokens[:, :-1], tokens[:, 1:], layout)
@@ -76,28 +76,31 @@ def sequence(bundled_store):
     return torch.from_numpy(tokens.astype(np.int64))[None]
 
 
-@pytest.fixture(scope="module")
-def single(sequence):
+def _single(sequence, stacks: dict) -> dict:
     out = {}
-    for name, overrides in STACKS.items():
+    for name, overrides in stacks.items():
         torch.manual_seed(0)
         out[name] = _loss_and_grads(build_model("debug", **overrides), sequence[:, :-1],
                                     sequence[:, 1:])
     return out
 
 
+@pytest.fixture(scope="module")
+def single(sequence):
+    return _single(sequence, STACKS)
+
+
 def _flat(grads: dict) -> torch.Tensor:
     return torch.cat([g.flatten() for _, g in sorted(grads.items())])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_equals_one_process(world, sequence, single, tmp_path):
+def _check(stacks: dict, world: int, sequence, single: dict, tmp_path) -> None:
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(world, sequence, f"file://{tmp_path / 'rendezvous'}", results),
+    mp.spawn(_worker, args=(world, sequence, f"file://{tmp_path / 'rendezvous'}", results, stacks),
              nprocs=world)
     tol = RTOL_RMS[torch.float32]
-    for name, overrides in STACKS.items():
+    for name, overrides in stacks.items():
         loss, grads = results[name]
         loss0, grads0 = single[name]
         assert abs(loss - loss0) <= tol * abs(loss0), (name, world, loss, loss0)
@@ -111,8 +114,41 @@ def test_context_parallel_equals_one_process(world, sequence, single, tmp_path):
             split = rel_rms(_flat(pieces), _flat(grads0))
         err = rel_rms(_flat(grads), _flat(grads0))
         assert err <= tol + split, f"{name}, P={world}: gradient error {err:.2e} (split {split:.2e})"
-        if name != "kda":  # the indexer learns across ranks too
+        if "dsa_period" not in overrides or overrides["dsa_period"]:  # the indexer learns across ranks too
             assert any(g.abs().sum() > 0 for k, g in grads.items() if "qi_proj" in k)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world, sequence, single, tmp_path):
+    _check(STACKS, world, sequence, single, tmp_path)
+
+
+def _feature_variants() -> dict:
+    """The debug model with each feature switched from its default: every bool field flipped,
+    every field that defaults to 0 set (so a flag added to a layer later is covered unasked)."""
+    from dataclasses import fields
+
+    from megabase.model import ModelConfig
+
+    variants = {}
+    for f in fields(ModelConfig):
+        if isinstance(f.default, bool):
+            variants[f.name] = {f.name: not f.default}
+        elif isinstance(f.default, int) and f.default == 0:
+            variants[f.name] = {f.name: 2}
+        elif isinstance(f.default, float) and f.default == 0.0:
+            variants[f.name] = {f.name: 0.01}
+    variants["kda_conv=1"] = {"kda_conv": 1}
+    return variants
+
+
+def test_every_layer_feature_runs_the_same_under_context_parallelism(sequence, tmp_path):
+    """The layers have one forward; under context parallelism it calls the sequence's exchange
+    steps. A feature whose code skips them (a new border, a new prefix) fails here."""
+    variants = _feature_variants()
+    assert {"tie_embeddings", "kmer_embed", "dsa_kmer", "keep_recent", "seq_aux_weight"} <= set(variants)
+    short = sequence[:, : 4096 + 1]
+    _check(variants, 2, short, _single(short, variants), tmp_path)
 
 
 def test_shards_must_divide_the_sequence():

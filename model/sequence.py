@@ -1,0 +1,59 @@
+"""Where a layer's sequence lives: whole in this process, or sharded across a context group.
+
+A layer's forward is the same either way. The steps that differ are the ones that cross a shard's
+border, and each layer calls them on its ``sequence`` attribute:
+
+* ``before(x, n)``: the ``n`` rows just before this shard (the short conv's and the k-mer hashes'
+  inputs); ``None`` at the start of the sequence, where the layer pads.
+* ``prefix(*xs)``: keys of every shard up to and including this one (the DSA layer's keys and
+  values), with ``offset``, the position of this shard's first row.
+* ``kda(...)``: the KDA op over the whole sequence.
+* ``total(x)``: a count summed over the shards (the MoE sequence-wise balance loss), and ``size``,
+  the number of shards.
+
+:data:`ONE_PROCESS` makes them identities; :class:`megabase.pipeline.context_parallel.ContextParallel`
+implements them with collectives, and ``HybridLM.set_sequence`` hands a group to every layer. So
+a change to a layer's forward runs under context parallelism as written, with nothing to mirror.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megabase.kernels.kda import kda_chunk
+
+
+class OneProcess:
+    """The whole sequence in this process (the default of every layer)."""
+
+    rank, size = 0, 1
+
+    def before(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The ``n`` rows ``[B, n, ...]`` before this shard of ``x [B, T, ...]``: none here."""
+        return None
+
+    def prefix(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each ``x [B, T, ...]`` extended by the rows of the shards before it: ``[B, offset + T,
+        ...]``. Here the shard is the sequence."""
+        return xs
+
+    def offset(self, length: int) -> int:
+        """Position of this shard's first row, for shards of ``length`` rows."""
+        return self.rank * length
+
+    def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
+        """The KDA op (:func:`megabase.kernels.kda.kda_chunk`): ``(o [B, T, H, V], final state)``."""
+        return kda_chunk(q, k, v, g, beta, initial_state=initial_state,
+                         output_final_state=output_final_state, backend=backend)
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the shards (no gradient)."""
+        return x
+
+    def check_streaming(self) -> None:
+        """Streaming (a layer called with ``state``) carries the sequence in one process."""
+        if self.size > 1:
+            raise ValueError("streaming (state=...) is single-process; score with one rank")
+
+
+ONE_PROCESS = OneProcess()
