@@ -1,6 +1,7 @@
 """Model checkpoints: a directory with ``model.safetensors`` and ``config.json``.
 
-``config.json`` holds ``{"format", "version", "model": <ModelConfig fields>, "vocab", ...extra}``;
+``config.json`` holds ``{"format", "version", "model": <ModelConfig fields>, "vocab", ...extra}``
+(the model's fields only: kernels and chunk sizes are the loader's choice, ``RUNTIME_FIELDS``);
 ``build_model``-compatible, human-readable, and loading never unpickles anything. ``sha256`` in it
 records every file's digest at write time; loading checks the weights against it. Writes go to a
 temporary sibling directory that is renamed into place, so a crash never leaves a half checkpoint.
@@ -21,7 +22,7 @@ from megabase.data.atomic import replace_dir, temp_prefix
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
-from .config import ModelConfig
+from .config import RUNTIME_FIELDS, ModelConfig
 from .lm import HybridLM
 
 FORMAT = "megabase-checkpoint"
@@ -46,7 +47,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
         save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
-        config = {"format": FORMAT, "version": VERSION, "model": model.cfg.to_dict(),
+        config = {"format": FORMAT, "version": VERSION, "model": model.cfg.model_dict(),
                   "vocab": vocab_dict(), **(extra or {}),
                   "sha256": {name: file_sha256(tmp / name) for name in [WEIGHTS, *(files or {})]}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
@@ -93,13 +94,19 @@ def read_checkpoint_config(path: str | Path) -> dict:
     return config
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> HybridLM:
-    """The model saved at ``path``, in eval mode, on ``device``."""
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runtime) -> HybridLM:
+    """The model saved at ``path``, in eval mode, on ``device``; ``runtime``: kernels and chunk
+    sizes for this machine (``RUNTIME_FIELDS``, default ``auto`` / the ModelConfig defaults;
+    older checkpoints that recorded them have them ignored)."""
     from safetensors.torch import load_file
 
+    unknown = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a runtime choice; choose from {', '.join(RUNTIME_FIELDS)}")
     config = read_checkpoint_config(path)
     verify_checkpoint(path)
-    model = HybridLM(ModelConfig.from_dict(config["model"]))
+    fields = {k: v for k, v in config["model"].items() if k not in RUNTIME_FIELDS}
+    model = HybridLM(ModelConfig.from_dict({**fields, **runtime}))
     state = load_file(str(Path(path) / WEIGHTS), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, fields
 from megabase.data.errors import InputError
 from megabase.data.vocab import VOCAB_SIZE
 
+# How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
+# keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
+RUNTIME_FIELDS = ("kda_backend", "dsa_backend", "moe_chunk", "loss_chunk", "dsa_block")
+
 
 @dataclass
 class ModelConfig:
@@ -56,7 +60,7 @@ class ModelConfig:
     bias_update: str = "quantile"  # quantile | sign (DeepSeek-V3) | proportional: MoE.update_bias
     bias_update_rate: float = 0.5  # quantile: fraction of the solved step; else the bias step size
     seq_aux_weight: float = 0.0
-    # Memory knobs that live in the model (recompute and offload are applied from pipeline/)
+    # Runtime choices (RUNTIME_FIELDS): memory knobs and kernels, not saved in checkpoints
     moe_chunk: int = 16384
     loss_chunk: int = 65536
     dsa_block: int = 256
@@ -128,6 +132,10 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def model_dict(self) -> dict:
+        """The fields that define the model (what a checkpoint saves): all but ``RUNTIME_FIELDS``."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":

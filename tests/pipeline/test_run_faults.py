@@ -149,3 +149,17 @@ def test_evaluate_out_on_a_file_and_compare_csv_on_a_folder(bundled_store, tmp_p
     assert "exists and is not a directory" in one_line(capsys)
     assert main(["compare", str(tmp_path / "missing.json"), "--csv", str(tmp_path)]) == 2
     assert "--csv takes a file name" in one_line(capsys)
+
+
+def test_trained_with_one_backend_evaluated_with_another(bundled_store, tmp_path, capsys):
+    import json
+
+    sets = tiny(tmp_path, bundled_store, **{"model.overrides": "{dsa_backend: reference, kda_backend: torch}"})
+    assert main(["train", *sets, "--quiet"]) == 0
+    ckpt = _ckpt(tmp_path / "runs" / "tiny", 4)
+    assert "dsa_backend" not in json.loads((ckpt / "config.json").read_text())["model"]
+    out = tmp_path / "eval"
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-4,096", "--no-probe", "--controls", "", "--out", str(out),
+                 "--quiet"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["overall"]["bits_per_base"] > 0
