@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _TEMP = re.compile(r"\.tmp-(\d+)-[^/]*$")
@@ -71,3 +74,27 @@ def replace_dir(tmp: Path, out: Path) -> None:
     os.replace(out, old / "previous")
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def building_dir(out: Path, install: Callable[[Path, Path], None] = replace_dir,
+                 mode: int | None = None) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to build a directory in; when the block ends normally,
+    ``install(tmp, out)`` moves it into place (default: replace ``out`` whole). On any error,
+    Ctrl-C or SIGTERM the temporary is removed and ``out`` is as it was. ``mode``: the folder's
+    permissions (default: the umask's, where ``mkdtemp`` gives 0700)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
+    try:
+        tmp.chmod(0o777 & ~current_umask() if mode is None else mode)
+        yield tmp
+        install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, hex."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -24,14 +24,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .atomic import current_umask, remove_stale_temps, temp_prefix
+from .atomic import building_dir, file_sha256, remove_stale_temps
 from .errors import InputError
 from .fasta import Record, read_fasta
 from .names import aliases, resolve_name
@@ -51,11 +50,6 @@ class PrepareResult:
     source_bytes: int
     seconds: float
     skipped: bool
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _source_info(fasta: Path) -> dict:
@@ -194,9 +188,7 @@ def prepare(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out.parent, glob.escape(out.name))
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
-    try:
-        tmp.chmod(0o777 & ~current_umask())
+    with building_dir(out, install=lambda tmp, out: _install(tmp, out, _existing_manifest(out))) as tmp:
         started = time.perf_counter()
         records, seen = _write_records(fasta, tmp, chroms, progress, source["size"])
         seconds = time.perf_counter() - started
@@ -221,10 +213,6 @@ def prepare(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _install(tmp, out, _existing_manifest(out))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return PrepareResult(out, records, source["size"], seconds, skipped=False)
 
 

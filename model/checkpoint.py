@@ -10,15 +10,12 @@ Optimizer and data-loader state, when a trainer saves them, sit beside these two
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from megabase.data.atomic import replace_dir, temp_prefix
+from megabase.data.atomic import building_dir, file_sha256
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
@@ -40,9 +37,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
-    try:
+    with building_dir(path, mode=0o755) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})
         for name, data in (files or {}).items():
@@ -51,20 +46,7 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
                   "vocab": vocab_dict(), **(extra or {}),
                   "sha256": {name: file_sha256(tmp / name) for name in [WEIGHTS, *(files or {})]}}
         (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-        tmp.chmod(0o755)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def verify_checkpoint(path: str | Path, names: tuple[str, ...] = (WEIGHTS,)) -> None:

@@ -30,44 +30,14 @@ class RunResult:
     evaluation: dict | None = None  # the report (report.json)
 
 
-def ensure_store(cfg: RunConfig, progress: bool = True):
-    """The token store of ``cfg``: prepared unless an up-to-date one is there. Returns
-    ``(TokenStore, PrepareResult)``."""
-    from megabase.data import TokenStore, default_genome, prepare
-
-    fasta = Path(cfg.data.fasta) if cfg.data.fasta else Path(str(default_genome()))
-    result = prepare(fasta, cfg.path(cfg.data.store), chroms=cfg.data.chroms or None,
-                     progress=progress)
-    return TokenStore(cfg.path(cfg.data.store)), result
-
-
-def ensure_windows(cfg: RunConfig, store) -> Path:
-    """``WORKDIR/windows-L.bed`` for the config's splits, rewritten only if its parameters changed."""
-    from megabase.data import make_windows, windows_comment, write_bed
-
-    from .train import windows_path
-
-    d = cfg.data
-    path = windows_path(cfg)
-    splits = {"train": list(d.train), "eval": list(d.eval)}
-    comment = windows_comment(store.path, d.window_length, d.stride, d.max_n_frac, splits)
-    if path.is_file() and path.read_text().partition("\n")[0] == f"# {comment}":
-        return path
-    windows, _ = make_windows(store, splits, d.window_length, stride=d.stride,
-                              max_n_frac=d.max_n_frac)
-    if not any(w.split == "train" for w in windows):
-        raise InputError(f"no training windows of {d.window_length:,} bases in "
-                         f"{','.join(d.train)}", store.path)
-    return write_bed(path, windows, comment)
-
-
 def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     """The whole job (see module docs); returns where everything is."""
     from megabase.eval.evaluate import evaluate
     from megabase.model import read_checkpoint_config
 
     from .checkpointing import latest_checkpoint, saved_step
-    from .train import run_dir, train, windows_path
+    from .train import train
+    from .workdir import ensure_store, ensure_windows, run_dir, windows_path
 
     if cfg.train.devices * cfg.train.num_nodes > 1:
         raise InputError("megabase run trains in one process; for several devices run `megabase "

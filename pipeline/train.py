@@ -79,24 +79,6 @@ class TrainResult:
     planned_steps: int | None = None  # train.steps, when train.max_minutes stopped it before
 
 
-def run_dir(cfg: RunConfig) -> Path:
-    return cfg.path("runs") / cfg.name
-
-
-def windows_path(cfg: RunConfig) -> Path:
-    return cfg.path(f"windows-{cfg.data.window_length}.bed")
-
-
-def open_store(cfg: RunConfig):
-    from megabase.data import TokenStore
-
-    path = cfg.path(cfg.data.store)
-    if not path.exists():
-        raise InputError("no token store here; run `megabase prepare` (or `megabase run`) first",
-                         path)
-    return TokenStore(path)
-
-
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
     """Train ``cfg`` to ``cfg.train.steps`` optimizer steps; with ``resume``, continue the run from
     its latest checkpoint (same per-step losses as an uninterrupted run on CPU in fp32)."""
@@ -113,7 +95,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     )
     from .distributed import trainer_kwargs
     from .lit import LitLM, StepLog
-    from .stages import ensure_windows
+    from .workdir import ensure_windows, open_store, run_dir
 
     started = time.perf_counter()
     store = open_store(cfg)
