@@ -9,13 +9,29 @@ class InputError(Exception):
     """Bad input from the user: a file, a record, an option. ``str()`` is the whole message.
 
     Messages read ``<file>: record '<name>': <what is wrong>``; parts that don't apply are left out.
+    A library function names its own arguments: ``options`` lists the ones ``what`` refers to as
+    ``{name}``. ``str()`` shows them as written (``length must be positive``); a caller that knows
+    them by other names (the CLI's ``--length``, a config's ``data.window_length``) asks for
+    :meth:`named`.
     """
 
-    def __init__(self, what: str, path: str | Path | None = None, record: str | None = None):
+    def __init__(self, what: str, path: str | Path | None = None, record: str | None = None,
+                 options: tuple[str, ...] = ()):
+        self.what, self.path, self.record, self.options = what, path, record, tuple(options)
+        super().__init__(self.named({}))
+
+    def named(self, names: dict[str, str]) -> str:
+        """The message with each option ``{name}`` written as ``names[name]`` (default: as is)."""
+        what = self.what
+        for option in self.options:
+            what = what.replace("{" + option + "}", names.get(option, option))
         parts = []
-        if path is not None:
-            parts.append(str(path))
-        if record is not None:
-            parts.append(f"record {record!r}")
+        if self.path is not None:
+            parts.append(str(self.path))
+        if self.record is not None:
+            parts.append(f"record {self.record!r}")
         parts.append(what)
-        super().__init__(": ".join(parts))
+        return ": ".join(parts)
+
+    def __reduce__(self):  # across processes (spawned ranks) with its parts, not only its text
+        return type(self), (self.what, self.path, self.record, self.options)

@@ -126,11 +126,12 @@ def _existing_manifest(out: Path) -> dict | None:
     if not out.exists():
         return None
     if not out.is_dir():
-        raise InputError("exists and is not a directory; choose another --out", out)
+        raise InputError("exists and is not a directory; choose another {out}", out, options=("out",))
     manifest = out / MANIFEST
     if not manifest.exists():
         if any(out.iterdir()):
-            raise InputError("exists, is not empty and holds no megabase store; choose another --out", out)
+            raise InputError("exists, is not empty and holds no megabase store; choose another {out}", out,
+                             options=("out",))
         return None
     try:
         data = json.loads(manifest.read_text())
@@ -138,7 +139,7 @@ def _existing_manifest(out: Path) -> dict | None:
         data = None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"holds a {MANIFEST} that megabase did not write; megabase replaces only "
-                         "stores it made: choose another --out", out)
+                         "stores it made: choose another {out}", out, options=("out",))
     return data
 
 

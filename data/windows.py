@@ -58,7 +58,7 @@ def parse_split(spec: str) -> tuple[str, list[str]]:
     """
     name, sep, value = spec.partition("=")
     if not sep or not name.strip() or not value.strip():
-        raise InputError(f"bad --split {spec!r}: expected NAME=REGION[,REGION...]")
+        raise InputError(f"{{split}} {spec!r}: expected NAME=REGION[,REGION...]", options=("split",))
     return name.strip(), split_regions(value)
 
 
@@ -109,16 +109,18 @@ def make_windows(
         windows and a per-split :class:`SplitSummary`.
     """
     if length < 1:
-        raise InputError(f"--length must be a positive number of bases, got {length}")
+        raise InputError(f"{{length}} must be a positive number of bases, got {length}",
+                         options=("length",))
     stride = length if stride is None else stride
     if stride < 1:
-        raise InputError(f"--stride must be positive, got {stride}")
+        raise InputError(f"{{stride}} must be positive, got {stride}", options=("stride",))
     if not 0.0 <= max_n_frac <= 1.0:
-        raise InputError(f"--max-n-frac must be within [0, 1], got {max_n_frac}")
+        raise InputError(f"{{max_n_frac}} must be within [0, 1], got {max_n_frac}",
+                         options=("max_n_frac",))
     if on_short not in SHORT_POLICIES:
         raise InputError(f"unknown short-record policy {on_short!r}; choose from {SHORT_POLICIES}")
     if not splits:
-        raise InputError("no splits given (e.g. --split train=chr01,chr02 --split eval=chr22)")
+        raise InputError("no {splits} given (e.g. train=chr01,chr02 and eval=chr22)", options=("splits",))
 
     resolved: list[tuple[str, Region, int]] = []
     for split, specs in splits.items():
@@ -139,8 +141,9 @@ def make_windows(
         info.regions.append(str(region))
         span = end - region.start
         if span < length and on_short == "refuse":
-            raise InputError(f"{span:,} bases, shorter than one window ({length:,}); "
-                             "use a shorter --length or --short keep", store.path, region.name)
+            raise InputError(f"{span:,} bases, shorter than one window ({length:,}); use a shorter "
+                             "{length}, or keep short regions ({on_short})", store.path, region.name,
+                             options=("length", "on_short"))
         tokens = store.tokens(region.name)
         for start in _starts(region.start, end, length, stride):
             stop = min(start + length, end)

@@ -90,7 +90,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
     longest = max(w.length for w in wins)
     edges = check_edges(edges) if edges else default_edges(longest)
     if baselines and not train:
-        raise InputError("--baseline needs --train regions to fit the Markov models on")
+        raise InputError("{baselines}: fitting the Markov models needs {train} regions",
+                         options=("baselines", "train"))
     scorer = ModelScorer(model, segment)
     with scorer.counting_load() as load:
         scored = accumulate(scorer, store, wins, edges, progress, "model")

@@ -284,8 +284,8 @@ def load_report(ref: str, tracking_uri: str | None = None) -> dict:
         try:
             local = client.download_artifacts(ref, REPORT, tmp)
         except Exception:
-            raise InputError(f"MLflow run {ref} has no {REPORT}; evaluate it with --mlflow-run "
-                             f"{ref}") from None
+            raise InputError(f"MLflow run {ref} has no {REPORT}; evaluate it into that run ({{mlflow_run}}"
+                             f" {ref})", options=("mlflow_run",)) from None
         report = json.loads(Path(local).read_text())
     check_report(report, f"MLflow run {ref}")
     report["name"] = run.info.run_name or report.get("name", ref)

@@ -269,6 +269,16 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: temp folders go, nothing half-kept
 
 
+# what the library calls an argument (InputError options) is, to a user of a subcommand, its flag;
+# to a user of `megabase run` / `train`, a key of the run config
+FLAGS = {"length": "--length", "stride": "--stride", "max_n_frac": "--max-n-frac",
+         "on_short": "--short keep", "split": "--split", "splits": "--split", "out": "--out",
+         "baselines": "--baseline", "train": "--train", "mlflow_run": "--mlflow-run"}
+CONFIG_KEYS = {"length": "data.window_length", "stride": "data.stride",
+               "max_n_frac": "data.max_n_frac", "out": "data.store",
+               "baselines": "eval.baselines", "train": "data.train"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -276,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except InputError as exc:
-        print(f"megabase {args.command}: error: {exc}", file=sys.stderr)
+        names = CONFIG_KEYS if args.command in ("run", "train") else FLAGS
+        print(f"megabase {args.command}: error: {exc.named(names)}", file=sys.stderr)
         return 2
     except TrainingError as exc:
         print(f"megabase {args.command}: error: {exc}", file=sys.stderr)

@@ -72,7 +72,7 @@ def test_bed_round_trip(tmp_path, umaydis_store):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"length": 0}, "positive"), ({"stride": 0}, "stride"), ({"max_n_frac": 1.5}, "max-n-frac"),
+    ({"length": 0}, "positive"), ({"stride": 0}, "stride"), ({"max_n_frac": 1.5}, "max_n_frac must be within"),
     ({"on_short": "pad"}, "policy"),
 ])
 def test_bad_parameters(umaydis_store, kwargs, match):

@@ -163,3 +163,23 @@ def test_trained_with_one_backend_evaluated_with_another(bundled_store, tmp_path
                  "--regions", "chr22:1-4,096", "--no-probe", "--controls", "", "--out", str(out),
                  "--quiet"]) == 0, capsys.readouterr().err
     assert json.loads((out / "report.json").read_text())["overall"]["bits_per_base"] > 0
+
+
+def test_library_errors_name_arguments_and_the_cli_names_its_flags_or_keys(bundled_store, tmp_path,
+                                                                           capsys):
+    from megabase.data import InputError, make_windows
+
+    with pytest.raises(InputError) as caught:
+        make_windows(bundled_store, {"eval": ["chr22"]}, 1 << 20, on_short="refuse")
+    assert "use a shorter length, or keep short regions (on_short)" in str(caught.value)
+    assert main(["windows", str(bundled_store.path), "--length", "1048576", "--split",
+                 "eval=chr22", "--short", "refuse"]) == 2
+    assert "use a shorter --length, or keep short regions (--short keep)" in one_line(capsys)
+    (tmp_path / "file").write_text("x")
+    assert main(["prepare", "--out", str(tmp_path / "file")]) == 2
+    assert "choose another --out" in one_line(capsys)
+    assert main(["train", *tiny(tmp_path, bundled_store), "--set",
+                 f"data.store={tmp_path / 'file'}"]) == 2
+    assert "no token store here" in one_line(capsys)
+    assert main(["run", *tiny(tmp_path, bundled_store), "--set", f"data.store={tmp_path / 'file'}"]) == 2
+    assert "is not a directory; choose another data.store" in one_line(capsys)
