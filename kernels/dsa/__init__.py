@@ -7,7 +7,7 @@ loss in C, with sparse-matrix products where no C compiler is found) and Triton 
 (:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
 ``"reference"``, ``"cpu"`` or ``"triton"``; Triton on CPU tensors runs under
 ``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes follow
-``fla.ops.dsa.naive_dsa``.
+``fla.ops.dsa.naive_dsa``; they are checked here, once, before any implementation runs.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
     ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
     impl = _impl(backend, q_idx)
+    _check_indexer(q_idx, k_idx, w_idx, offset)
     if impl in (cpu, reference):
         return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k,
                                 offset)
@@ -67,6 +68,7 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
     (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
     impl = _impl(backend, q)
+    _check_attention(q, k, v, indices)
     if impl in (cpu, reference):
         return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
     return impl.sparse_attention(q, k, v, indices, scale, return_probs)
@@ -74,7 +76,44 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
 
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries."""
-    return _impl(backend, q_idx).indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+    impl = _impl(backend, q_idx)
+    _check_selection(indices, q_idx, k_idx)
+    B, Tq, HI, DI = q_idx.shape
+    if target.shape != indices.shape or k_idx.shape[-1] != DI or (
+            w_idx is not None and tuple(w_idx.shape) != (B, Tq, HI)):
+        raise ValueError(f"indexer loss inputs do not match: q_idx {tuple(q_idx.shape)}, k_idx "
+                         f"{tuple(k_idx.shape)}, indices {tuple(indices.shape)}, target "
+                         f"{tuple(target.shape)}")
+    return impl.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+
+
+def _check_indexer(q_idx, k_idx, w_idx, offset: int) -> None:
+    B, Tq, HI, DI = q_idx.shape
+    if k_idx.dim() != 3 or k_idx.shape[0] != B or k_idx.shape[-1] != DI or (
+            w_idx is not None and tuple(w_idx.shape) != (B, Tq, HI)) or offset + Tq > k_idx.shape[1]:
+        raise ValueError(f"indexer inputs do not match: q_idx {tuple(q_idx.shape)}, k_idx "
+                         f"{tuple(k_idx.shape)}, offset {offset}")
+
+
+def _check_attention(q, k, v, indices) -> None:
+    HQ, D, H = q.shape[2], q.shape[3], k.shape[2]
+    if HQ % H:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
+    if k.shape[-1] != D or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match")
+    _check_selection(indices, q, k, v)
+
+
+def _check_selection(indices, queries: torch.Tensor, *keys: torch.Tensor) -> None:
+    """``indices [B, Tq, K]`` for ``queries [B, Tq, ...]`` over ``keys [B, Tk, ...]``, and within
+    ``Tk`` (the C kernels read key rows at the indices unchecked; on a GPU the range check would
+    cost a device sync per call, and the Triton kernels mask by position)."""
+    rows, Tk = tuple(queries.shape[:2]), keys[0].shape[1]
+    if tuple(indices.shape[:2]) != rows or any(x.shape[:2] != keys[0].shape[:2] for x in keys):
+        raise ValueError(f"indices {tuple(indices.shape)} do not match {rows[0]} sequences of "
+                         f"{rows[1]} queries over keys {tuple(keys[0].shape)}")
+    if indices.device.type == "cpu" and indices.numel() and int(indices.max()) >= Tk:
+        raise ValueError(f"indices reach key {int(indices.max())}, but there are only {Tk} keys")
 
 
 def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048, scale=None,

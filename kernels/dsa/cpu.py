@@ -59,10 +59,6 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                                      block_k, offset)
     B, Tq, HI, DI = q_idx.shape
     Tk = k_idx.shape[1]
-    if k_idx.shape[0] != B or k_idx.shape[-1] != DI or (
-            w_idx is not None and tuple(w_idx.shape) != (B, Tq, HI)) or offset + Tq > Tk:
-        raise ValueError(f"indexer inputs do not match: q_idx {tuple(q_idx.shape)}, k_idx "
-                         f"{tuple(k_idx.shape)}, offset {offset}")
     scale = DI**-0.5 if scale is None else scale
     q = q_idx.float().contiguous()
     kb = torch.nn.functional.pad(k_idx.float(), (0, 0, 0, (-Tk) % VW))  # blocks of VW keys
@@ -123,13 +119,7 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_prob
     """
     if q.device.type != "cpu" or _attention_lib() is None or q.shape[1] == 0 or not indices.shape[-1]:
         return csr.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
-    B, Tq, HQ, D = q.shape
-    H = k.shape[2]
-    if HQ % H:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
-    _check_selection(indices, (B, Tq), k, v)
-    if k.shape[-1] != D or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match")
+    D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
     o, probs = _Attention.apply(q.float().contiguous(), k.float().contiguous(),
                                 v.float().contiguous(), indices.long().contiguous(), scale)
@@ -177,27 +167,11 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q:
             or not indices.shape[-1]:
         return csr.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
     B, Tq, HI, DI = q_idx.shape
-    _check_selection(indices, (B, Tq), k_idx)
-    if target.shape != indices.shape or k_idx.shape[-1] != DI or (
-            w_idx is not None and w_idx.shape != (B, Tq, HI)):
-        raise ValueError(f"indexer loss inputs do not match: q_idx {tuple(q_idx.shape)}, k_idx "
-                         f"{tuple(k_idx.shape)}, indices {tuple(indices.shape)}, target "
-                         f"{tuple(target.shape)}")
     scale = DI**-0.5 if scale is None else scale
     w = None if w_idx is None else w_idx.float().contiguous()
     total = _IndexerKL.apply(q_idx.float().contiguous(), k_idx.float().contiguous(), w,
                              indices.long().contiguous(), target.float().contiguous(), scale)
     return total / max(B * Tq, 1)
-
-
-def _check_selection(indices, rows: tuple[int, int], *keys: torch.Tensor) -> None:
-    """The C kernels read key rows at ``indices`` unchecked: shapes and range are checked here."""
-    Tk = keys[0].shape[1]
-    if tuple(indices.shape[:2]) != rows or any(x.shape[:2] != keys[0].shape[:2] for x in keys):
-        raise ValueError(f"indices {tuple(indices.shape)} do not match {rows[0]} sequences of "
-                         f"{rows[1]} queries over keys {tuple(keys[0].shape)}")
-    if indices.numel() and int(indices.max()) >= Tk:
-        raise ValueError(f"indices reach key {int(indices.max())}, but there are only {Tk} keys")
 
 
 __all__ = ["available", "dsa_indexer", "indexer_kl_sparse", "sparse_attention"]

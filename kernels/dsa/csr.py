@@ -153,8 +153,6 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_prob
     """
     B, Tq, HQ, D = q.shape
     Tk, H = k.shape[1], k.shape[2]
-    if HQ % H:
-        raise ValueError(f"query heads ({HQ}) must be a multiple of key/value heads ({H})")
     scale = D**-0.5 if scale is None else scale
     K = indices.shape[-1]
     o, probs = _SparseAttention.apply(q.float().reshape(B * Tq, HQ, D),

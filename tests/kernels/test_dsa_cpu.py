@@ -132,17 +132,28 @@ def test_native_build_failure_falls_back_with_one_warning(tmp_path, monkeypatch)
     native.load.cache_clear()
 
 
-def test_inputs_the_c_kernels_would_misread_are_clear_errors():
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_inputs_the_kernels_would_misread_are_clear_errors_at_the_dispatch(backend):
+    from megabase.kernels.dsa import indexer_kl_sparse
+
     q, k, v, qi, ki, wi = make(1, 20, 2, 1, 8, 2, 4, 5, seed=27)
     idx = dsa_indexer(qi, ki, wi, 5)
     with pytest.raises(ValueError, match="only 20 keys"):
-        cpu.sparse_attention(q, k, v, idx.clamp(max=0) + 20)
+        sparse_attention(q, k, v, idx.clamp(max=0) + 20, backend=backend)
     with pytest.raises(ValueError, match="do not match"):
-        cpu.sparse_attention(q, k, v, idx[:, :10])
+        sparse_attention(q, k, v, idx[:, :10], backend=backend)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        sparse_attention(q[:, :, :1].expand(1, 20, 3, 8), k.expand(1, 20, 2, 8),
+                         v.expand(1, 20, 2, 8), idx, backend=backend)
     with pytest.raises(ValueError, match="do not match"):
-        cpu.indexer_kl_sparse(qi, ki, wi, idx, torch.ones(1, 20, 4))
+        indexer_kl_sparse(qi, ki, wi, idx, torch.ones(1, 20, 4), backend=backend)
     with pytest.raises(ValueError, match="do not match"):
-        cpu.dsa_indexer(qi, ki[:, :10], wi, 5)
+        dsa_indexer(qi, ki[:, :10], wi, 5, backend=backend)
+
+
+def test_the_c_kernels_take_empty_and_int32_selections():
+    q, k, v, qi, ki, wi = make(1, 20, 2, 1, 8, 2, 4, 5, seed=27)
+    idx = dsa_indexer(qi, ki, wi, 5)
     o, p = cpu.sparse_attention(q[:, :0], k, v, idx[:, :0], return_probs=True)  # no queries
     assert o.shape == (1, 0, 2, 8) and p.shape == (1, 0, 5)
     o32 = cpu.sparse_attention(q, k, v, idx.int())  # int32 indices are taken as positions
