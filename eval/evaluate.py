@@ -12,6 +12,7 @@ from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import parse_region
 
 from .bins import check_edges, default_edges, paired_gain
+from .config import EvalConfig
 from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
 from .report import accumulate, score_series, write_report
@@ -44,22 +45,18 @@ def fit_markov(store: TokenStore, order: int, train: list[str]) -> MarkovModel:
     return model
 
 
-def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = None,
-             windows: str | Path | None = None, split: str = "eval",
-             regions: tuple[str, ...] = ("chr22",), length: int | None = None,
-             edges: list[int] | None = None, controls: tuple[int, ...] = (1_000,),
-             probe: bool = True, probe_windows: int = 32,
-             baselines: tuple[int, ...] = (), train: tuple[str, ...] = (),
-             segment: int = 65_536, n_boot: int = 1000, seed: int = 0,
-             progress: bool = True, mlflow_run: str | None = None,
-             experiment: str | None = None, tracking_uri: str | None = None,
-             track: bool = True) -> dict:
+def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | None = None,
+             out: str | Path | None = None, windows: str | Path | None = None, split: str = "eval",
+             progress: bool = True, mlflow_run: str | None = None, experiment: str | None = None,
+             tracking_uri: str | None = None, track: bool = True) -> dict:
     """Score a checkpoint on held-out windows; write report.json/csv/png into ``out``.
 
-    ``controls``: context limits for the truncation control, each with the model's paired gain
-    over it per bin (``context_gain``); ``baselines``: Markov orders fitted on ``train`` regions
-    and scored on the same windows (the best of them in ``best_baseline``); ``probe``: the
-    in-context recall probe, ``probe_windows`` windows per distance.
+    ``options`` (:class:`EvalConfig`, its defaults when None): the regions to tile (or a BED of
+    ``windows``, one ``split`` of it), the truncation controls (each with the model's paired
+    gain over it per bin, ``context_gain``), the Markov baselines (fitted on the training regions
+    and scored on the same windows; the best in ``best_baseline``), the recall probe. Empty
+    ``regions`` / ``train`` are the held-out / training regions the checkpoint's run recorded.
+    ``out``: default ``CHECKPOINT/eval``.
     MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
     (``config.json`` key ``mlflow``), else to a new run of ``experiment`` when one is named;
     ``track=False`` logs nothing.
@@ -67,32 +64,43 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
     from megabase.model import load_checkpoint, read_checkpoint_config
 
     started = time.perf_counter()
-    check_arguments(edges=edges, controls=controls, n_boot=n_boot, probe_windows=probe_windows,
-                    segment=segment, out=Path(out) if out else Path(checkpoint) / "eval")
+    o = (options or EvalConfig()).check()
+    out = Path(out) if out else Path(checkpoint) / "eval"
+    check_output(out)
     config = read_checkpoint_config(checkpoint)
+    recorded = config.get("regions") or {}
+    regions = list(o.regions or recorded.get("eval") or [])
+    if not regions and (windows is None or o.probe):
+        raise InputError("name the regions to evaluate ({regions}): this checkpoint records no "
+                         "held-out regions", checkpoint, options=("regions",))
+    train = list(o.train or recorded.get("train") or [])
+    baselines = list(o.baselines)
+    if baselines and not train:
+        raise InputError("{baselines}: fitting the Markov models needs {train} regions, and the "
+                         "checkpoint records none (or leave {baselines} empty)", checkpoint,
+                         options=("baselines", "train"))
     tracking = None
     if track:
-        recorded = config.get("mlflow") or {}
-        run = mlflow_run or (None if experiment else recorded.get("run_id"))
+        recorded_run = config.get("mlflow") or {}
+        run = mlflow_run or (None if experiment else recorded_run.get("run_id"))
         if run or experiment:
-            uri = tracking_uri or (recorded.get("tracking_uri") if run == recorded.get("run_id")
-                                   else None)
+            uri = tracking_uri or (recorded_run.get("tracking_uri")
+                                   if run == recorded_run.get("run_id") else None)
             tracking = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
                             run_name=f"evaluate {Path(checkpoint).name}")
             if run:  # checked now: a wrong run id fails before minutes of scoring
                 open_run(**tracking)
     model = load_checkpoint(checkpoint)
     store = TokenStore(data)
-    length = length or int(config.get("window_length", 65_536))
-    wins = eval_windows(store, windows, split, list(regions), length)
+    # a checkpoint saved outside training records no window length: tiles of one segment
+    length = o.length or int(config.get("window_length", o.segment))
+    wins = eval_windows(store, windows, split, regions, length)
     if not wins:
         raise InputError(f"no windows to evaluate in split {split!r}", data)
     longest = max(w.length for w in wins)
-    edges = check_edges(edges) if edges else default_edges(longest)
-    if baselines and not train:
-        raise InputError("{baselines}: fitting the Markov models needs {train} regions",
-                         options=("baselines", "train"))
-    scorer = ModelScorer(model, segment)
+    edges = check_edges(o.edges) if o.edges else default_edges(longest)
+    n_boot, seed = o.bootstrap, o.seed
+    scorer = ModelScorer(model, o.segment)
     with scorer.counting_load() as load:
         scored = accumulate(scorer, store, wins, edges, progress, "model")
     ckpt = Path(checkpoint).resolve()
@@ -103,14 +111,14 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
               "window_length": longest, "edges": edges,
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
     report["controls"], report["context_gain"] = {}, {}
-    for c in controls:
+    for c in o.controls:
         if c < longest:
             control = accumulate(truncated(scorer, c), store, wins, edges, progress,
                                  f"control <= {c}")
             report["controls"][str(c)] = control.summary(n_boot=n_boot, seed=seed)
             report["context_gain"][str(c)] = paired_gain(scored, control, n_boot, seed)
     report["baselines"] = {
-        f"markov order {k}": score_series(markov_scorer(fit_markov(store, k, list(train))), store,
+        f"markov order {k}": score_series(markov_scorer(fit_markov(store, k, train)), store,
                                           wins, edges, n_boot, seed, progress, f"markov {k}")
         for k in baselines
     }
@@ -118,12 +126,11 @@ def evaluate(checkpoint: str | Path, data: str | Path, out: str | Path | None = 
         best = min(report["baselines"], key=lambda k: report["baselines"][k]["overall"]["bits_per_base"])
         report["best_baseline"] = {"name": best,
                                    "bits_per_base": report["baselines"][best]["overall"]["bits_per_base"]}
-    if probe:
-        held_out = np.concatenate(region_tokens(store, list(regions)))
+    if o.probe:
+        held_out = np.concatenate(region_tokens(store, regions))
         report["probe"] = recall_probe(scorer, held_out, probe_distances(longest, 200),
-                                       n_per_distance=probe_windows, seed=seed, n_boot=n_boot)
+                                       n_per_distance=o.probe_windows, seed=seed, n_boot=n_boot)
     report["seconds"] = time.perf_counter() - started
-    out = Path(out) if out else Path(checkpoint) / "eval"
     return _finish(report, out, tracking)
 
 
@@ -137,29 +144,13 @@ def moe_load_summary(load) -> list[dict]:
     return out
 
 
-def check_arguments(edges=None, controls=(), n_boot: int = 1, probe_windows: int = 1,
-                    segment: int | None = None, out: Path | None = None) -> None:
-    """The arguments of :func:`evaluate`, checked before minutes of scoring: an InputError names
-    the argument and what is valid."""
-    if edges:
-        try:
-            check_edges(edges)
-        except (TypeError, ValueError):
-            raise InputError(f"edges must be integers that start at 0 and increase strictly, got "
-                             f"{list(edges)[:12]}") from None
-    for name, value in (("controls", c) for c in controls):
-        if not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be positive context lengths, got {value}")
-    for name, value in (("n_boot (bootstrap)", n_boot), ("probe_windows", probe_windows),
-                        ("segment", segment)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise InputError(f"{name} must be a positive integer, got {value}")
-    if out is not None:
-        if out.exists() and not out.is_dir():
-            raise InputError("exists and is not a directory; choose another output folder", out)
-        parent = next(p for p in (out, *out.parents) if p.exists())
-        if not os.access(parent, os.W_OK):
-            raise InputError("is not writable; choose another output folder", parent)
+def check_output(out: Path) -> None:
+    """The report folder, checked before minutes of scoring."""
+    if out.exists() and not out.is_dir():
+        raise InputError("exists and is not a directory; choose another output folder", out)
+    parent = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise InputError("is not writable; choose another output folder", parent)
 
 
 def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
@@ -184,7 +175,7 @@ def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
 
 def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions: list[str],
                     out: str | Path, length: int = 65_536, edges: list[int] | None = None,
-                    n_boot: int = 1000, seed: int = 0, progress: bool = True,
+                    n_boot: int = EvalConfig.bootstrap, seed: int = 0, progress: bool = True,
                     experiment: str | None = None, tracking_uri: str | None = None) -> dict:
     """Fit an order-``order`` Markov model on ``train`` and report it on ``eval_regions``.
 

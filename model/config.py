@@ -104,8 +104,11 @@ class ModelConfig:
                              f"update), got {self.bias_update_rate!r}")
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
-        choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": ("auto", "torch", "cpu", "fla"),
-                   "dsa_backend": ("auto", "reference", "cpu", "triton"),
+        from megabase.kernels.dsa import BACKENDS as DSA_BACKENDS
+        from megabase.kernels.kda import BACKENDS as KDA_BACKENDS
+
+        choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": KDA_BACKENDS,
+                   "dsa_backend": DSA_BACKENDS,
                    "bias_update": ("quantile", "sign", "proportional"), "mixer": ("hybrid", "attention")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -7,6 +7,7 @@ Ctrl-C exits with 130. Heavy imports (torch, datasets) happen inside the subcomm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from megabase.data.errors import InputError
+from megabase.eval.config import EvalConfig
 
 from . import summary
 from .errors import TrainingError
@@ -63,26 +65,53 @@ def cmd_export(args: argparse.Namespace) -> None:
           f"load with datasets.load_from_disk({str(args.out)!r})")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x.replace("_", "")) for x in _csv(text)]
-    except ValueError:
-        raise InputError(f"{flag} takes comma-separated integers, got {text!r}") from None
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _section_flags(p: argparse.ArgumentParser, cls, skip=(), aliases: dict | None = None) -> None:
+    """One flag per field of the dataclass ``cls``: ``--probe-windows N``, ``--probe`` /
+    ``--no-probe`` for a bool; a list takes ``a,b`` or ``[a, b]`` (or repeats). Help and default
+    are the field's; a flag not given leaves the field at its default."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        names = [_flag(f.name), *([aliases[f.name]] if aliases and f.name in aliases else [])]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        text = f"{f.metadata.get('help', '')} (default: {'none' if shown in (None, '') else shown})"
+        if isinstance(default, bool):
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+        elif isinstance(default, list):
+            p.add_argument(*names, dest=f.name, action="append", default=None, metavar="LIST",
+                           help=text)
+        else:
+            p.add_argument(*names, dest=f.name, default=None, metavar="VALUE", help=text)
+
+
+def _section(cls, args: argparse.Namespace):
+    """The dataclass ``cls`` from the flags :func:`_section_flags` made (given ones only)."""
+    from .config import build_section
+
+    given = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if isinstance(value, list):  # repeats of a list flag: their items, in order
+            value = value[0] if len(value) == 1 else ",".join(value)
+        given[f.name] = value
+    return build_section(cls, given, "command line", name_of=_flag)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from megabase.eval.evaluate import evaluate
 
     report = evaluate(
-        args.checkpoint, args.data, out=args.out, windows=args.windows, split=args.split,
-        regions=tuple(_csv(args.regions)), length=args.length,
-        edges=_ints(args.edges, "--edges") if args.edges else None,
-        controls=tuple(_ints(args.controls, "--controls")), probe=not args.no_probe,
-        probe_windows=args.probe_windows, baselines=tuple(args.baseline or ()), train=tuple(_csv(args.train)),
-        segment=args.segment, n_boot=args.bootstrap, seed=args.seed, progress=not args.quiet,
-        mlflow_run=args.mlflow_run, experiment=args.experiment, tracking_uri=args.tracking_uri,
-        track=not args.no_mlflow,
-    )
+        args.checkpoint, args.data, _section(EvalConfig, args), out=args.out, windows=args.windows,
+        split=args.split, progress=not args.quiet, mlflow_run=args.mlflow_run,
+        experiment=args.experiment, tracking_uri=args.tracking_uri, track=not args.no_mlflow)
     summary.print_report(report)
 
 
@@ -180,20 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="token store directory")
     p.add_argument("--windows", help="BED of windows (default: tile --regions)")
     p.add_argument("--split", default="eval", help="split of the BED to score (default eval)")
-    p.add_argument("--regions", default="chr22", help="records/regions to tile (default chr22)")
-    p.add_argument("--length", type=_positive_int, help="window length (default: the checkpoint's)")
-    p.add_argument("--edges", help="context bin edges, e.g. 0,1000,4000,16000,65536")
-    p.add_argument("--controls", default="1000", help="context limits of the truncation control")
-    p.add_argument("--no-probe", action="store_true", help="skip the in-context recall probe")
-    p.add_argument("--probe-windows", type=_positive_int, default=32,
-                   help="recall-probe windows per distance (default 32)")
-    p.add_argument("--baseline", type=int, action="append", metavar="K",
-                   help="add an order-K Markov baseline fitted on --train (repeatable)")
-    p.add_argument("--train", help="records/regions the baselines are fitted on")
-    p.add_argument("--segment", type=_positive_int, default=65_536,
-                   help="stream windows longer than this many bases (default 65536)")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    p.add_argument("--seed", type=int, default=0)
+    _section_flags(p, EvalConfig, skip=("enabled",), aliases={"baselines": "--baseline"})
     p.add_argument("--out", help="report directory (default CHECKPOINT/eval)")
     _tracking_flags(p)
     p.add_argument("--mlflow-run", metavar="RUN_ID",
@@ -209,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", required=True, help="records/regions to fit on, e.g. chr01,chr02")
     p.add_argument("--eval", required=True, help="records/regions to score, e.g. chr22")
     p.add_argument("--length", type=_positive_int, default=65_536, help="window length for binning")
-    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--bootstrap", type=int, default=EvalConfig.bootstrap)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="report directory")
     _tracking_flags(p)
@@ -273,7 +289,7 @@ def _terminated(signum, frame):
 # to a user of `megabase run` / `train`, a key of the run config
 FLAGS = {"length": "--length", "stride": "--stride", "max_n_frac": "--max-n-frac",
          "on_short": "--short keep", "split": "--split", "splits": "--split", "out": "--out",
-         "baselines": "--baseline", "train": "--train", "mlflow_run": "--mlflow-run"}
+         "train": "--train", "mlflow_run": "--mlflow-run"}
 CONFIG_KEYS = {"length": "data.window_length", "stride": "data.stride",
                "max_n_frac": "data.max_n_frac", "out": "data.store",
                "baselines": "eval.baselines", "train": "data.train"}
@@ -286,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except InputError as exc:
-        names = CONFIG_KEYS if args.command in ("run", "train") else FLAGS
+        names = CONFIG_KEYS if args.command in ("run", "train") else \
+            {**{f.name: _flag(f.name) for f in dataclasses.fields(EvalConfig)}, **FLAGS}
         print(f"megabase {args.command}: error: {exc.named(names)}", file=sys.stderr)
         return 2
     except TrainingError as exc:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megabase.data.errors import InputError
+from megabase.eval.config import EvalConfig
 
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "layer", "selective")
@@ -86,20 +87,6 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
-    """The evaluate stage of ``megabase run`` (see ``megabase evaluate``)."""
-
-    enabled: bool = True
-    regions: list[str] = field(default_factory=list)  # empty: data.eval
-    controls: list[int] = field(default_factory=lambda: [1000])
-    probe: bool = True
-    probe_windows: int = 32  # recall-probe windows per distance
-    baselines: list[int] = field(default_factory=lambda: [0, 4])  # Markov orders, fitted on data.train
-    bootstrap: int = 200
-    segment: int = 65536
-
-
-@dataclass
 class TrackingConfig:
     tracking_uri: str | None = None  # None: sqlite:///<workdir>/mlflow.db
     experiment: str = "megabase"
@@ -135,8 +122,8 @@ class RunConfig:
 CHOICES = {("train", "precision"): PRECISIONS, ("train", "recompute"): RECOMPUTE}
 POSITIVE = {("data", "window_length"), ("train", "steps"), ("train", "batch_size"),
             ("train", "grad_accum"), ("train", "checkpoint_every"), ("train", "seq_warmup_start"),
-            ("train", "seq_warmup_steps"), ("eval", "bootstrap"), ("eval", "segment"), ("eval", "probe_windows"),
-            ("train", "devices"), ("train", "num_nodes"), ("train", "context_parallel")}
+            ("train", "seq_warmup_steps"), ("train", "devices"), ("train", "num_nodes"),
+            ("train", "context_parallel")}
 
 
 def _convert(value, hint, where: str, source: str):
@@ -185,6 +172,28 @@ def _convert(value, hint, where: str, source: str):
     raise TypeError(hint)
 
 
+def build_section(cls, data: dict, source: str, name_of=str):
+    """``cls`` (a section's dataclass) from ``{field: value}`` (strings from a command line or
+    YAML values), converted and checked as a config file's section is; ``name_of(field)`` is how an
+    error names a field (e.g. as a CLI flag)."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        if name not in known:
+            raise InputError(f"unknown option {name_of(name)!r}", source)
+        kwargs[name] = _convert(parse_value(value), hints[name], name_of(name), source)
+    return cls(**kwargs)
+
+
+def parse_value(text):
+    """A ``--set`` or flag value: YAML flow syntax for lists and mappings (``[0, 4, 7]``,
+    ``{topk: 64}``), anything else as the string it is (``0,4,7`` is split later, by its type)."""
+    if isinstance(text, str) and text.strip()[:1] in ("[", "{"):
+        return _yaml(text, f"value {_short(text)}")
+    return text
+
+
 def _build(cls, data: dict, prefix: str, source: str):
     if not isinstance(data, dict):
         raise InputError(f"{prefix or 'the config'} must be a mapping, got {data!r}", source)
@@ -229,6 +238,8 @@ def _set(tree: dict, assignment: str) -> None:
             raise InputError(f"--set {assignment!r}: {part!r} is not a section")
         node = child
     if parts[-1] == "overrides" or (len(parts) >= 3 and parts[-2] == "overrides"):
+        value = _yaml(value, f"--set {key.strip()}")
+    elif value.strip()[:1] in ("[", "{"):  # the YAML flow syntax of the config files
         value = _yaml(value, f"--set {key.strip()}")
     node[parts[-1]] = value
 
@@ -277,6 +288,11 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
     from megabase.model import get_preset
 
     get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error
+    try:
+        cfg.eval.check()
+    except InputError as exc:  # its options are this section's keys
+        raise InputError(exc.named({f.name: f"eval.{f.name}" for f in dataclasses.fields(EvalConfig)}),
+                         source) from None
     _check_parallel(cfg, source)
     _check_curriculum(cfg, source)
     _check_bounds(cfg, source)

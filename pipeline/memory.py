@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-RECOMPUTE_MODES = ("none", "layer", "selective")
+from .config import RECOMPUTE as RECOMPUTE_MODES  # the choice list lives with the config
 
 
 def _keep_selections(ctx, op, *args, **kwargs):

@@ -4,6 +4,7 @@ the report's checkpoint)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -75,14 +76,11 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
                 stages["train"].startswith("skipped"):
             stages["evaluate"] = "skipped (report of this checkpoint exists)"
         else:
-            e = cfg.eval
-            report = evaluate(ckpt, store.path, out=report_dir,
-                              regions=tuple(e.regions or cfg.data.eval),
-                              length=cfg.data.window_length, controls=tuple(e.controls),
-                              probe=e.probe, probe_windows=e.probe_windows,
-                              baselines=tuple(e.baselines),
-                              train=tuple(cfg.data.train), segment=e.segment,
-                              n_boot=e.bootstrap, seed=cfg.train.seed, progress=progress,
+            d = cfg.data
+            options = dataclasses.replace(cfg.eval, regions=cfg.eval.regions or d.eval,
+                                          train=cfg.eval.train or d.train,
+                                          length=cfg.eval.length or d.window_length)
+            report = evaluate(ckpt, store.path, options, out=report_dir, progress=progress,
                               mlflow_run=run_id, tracking_uri=uri)
             stages["evaluate"] = "done"
         report_path, overall = existing, report["overall"]

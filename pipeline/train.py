@@ -142,6 +142,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size // replicas,
                                          sampler=stream, num_workers=t.num_workers, drop_last=True)
     extra = {"window_length": cfg.data.window_length, "run": cfg.name,
+             # what `megabase evaluate` scores and fits its baselines on unless told otherwise
+             "regions": {"train": list(cfg.data.train), "eval": list(cfg.data.eval)},
              "mlflow": {"tracking_uri": uri, "run_id": run_id},
              "data": {"store": str(store.path), "windows": str(bed)}}
     saver = PeriodicCheckpoint(out, t.checkpoint_every)

@@ -57,6 +57,7 @@ def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp
         "window_length": 2048, "mlflow": {"tracking_uri": tracked["uri"], "run_id": run.info.run_id}})
     assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
                  "--regions", "chr22:1-2,048", "--controls", "", "--no-probe", "--bootstrap", "5",
+                 "--baselines", "",
                  "--quiet", "--out", str(tmp_path / "eval")]) == 0
     after = client.get_run(run.info.run_id)
     assert after.info.status == "RUNNING"  # the trainer owns its run's status
@@ -66,7 +67,8 @@ def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp
 def test_unknown_run_fails_before_scoring(tracked, bundled_store, tmp_path, capsys):
     code = main(["evaluate", "--checkpoint", str(tracked["ckpt"]), "--data",
                  str(bundled_store.path), "--tracking-uri", tracked["uri"],
-                 "--mlflow-run", "0123456789abcdef", "--out", str(tmp_path / "eval")])
+                 "--mlflow-run", "0123456789abcdef", "--regions", "chr22", "--baselines", "",
+                 "--out", str(tmp_path / "eval")])
     err = capsys.readouterr().err
     assert code == 2 and "0123456789abcdef" in err and "not found" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "eval").exists()

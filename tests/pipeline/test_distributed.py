@@ -65,7 +65,7 @@ def test_dp2_cp2_matches_one_process_and_its_checkpoint_evaluates_alone(bundled_
     out = tmp_path / "eval"
     assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
                  "--regions", "chr22:1-8,192", "--length", "4096", "--no-probe", "--bootstrap",
-                 "10", "--no-mlflow", "--out", str(out), "--quiet"]) == 0
+                 "10", "--no-mlflow", "--out", str(out), "--quiet"]) == 0  # the run's regions: Markov on chr01
     report = json.loads((out / "report.json").read_text())
     assert report["overall"]["n_tokens"] > 8000
     assert 1.0 < report["overall"]["bits_per_base"] < 3.0

@@ -30,6 +30,27 @@ def test_sets_are_converted_and_validated():
     assert "lr: 0.001" in text and flat_params(cfg)["model.config.topk"] == "16"
 
 
+def test_set_takes_the_yaml_of_the_config_files_and_commas_alike():
+    yaml_form = load_config(None, ["eval.controls=[1000]", "eval.baselines=[0, 4, 7]",
+                                   "data.train=[chr01, 'chr02:1-200,000']"])
+    comma_form = load_config(None, ["eval.controls=1000", "eval.baselines=0,4,7",
+                                    "data.train=chr01,chr02:1-200,000"])
+    assert yaml_form == comma_form
+    assert yaml_form.eval.baselines == [0, 4, 7] and yaml_form.data.train[1] == "chr02:1-200,000"
+
+
+def test_one_home_for_every_default_and_choice():
+    from megabase.eval.config import EvalConfig
+    from megabase.kernels.dsa import BACKENDS
+    from megabase.model import ModelConfig
+    from megabase.pipeline import config, memory
+
+    assert config.EvalConfig is EvalConfig and load_config(None).eval == EvalConfig()
+    assert memory.RECOMPUTE_MODES is config.RECOMPUTE
+    with pytest.raises(InputError, match=re.escape(", ".join(BACKENDS))):
+        ModelConfig(dsa_backend="cuda")
+
+
 @pytest.mark.parametrize("sets, message", [
     (["train.lrr=1"], "unknown key 'train.lrr'; valid keys in train: steps"),
     (["trian.lr=1"], "unknown key 'trian'"),
@@ -51,6 +72,9 @@ def test_sets_are_converted_and_validated():
      "train.indexer_warmup_steps needs whole sequences"),
     (["model.overrides.bias_update=median"], "model.bias_update must be one of quantile"),
     (["model.overrides.bias_update_rate=2"], "model.bias_update_rate must be >= 0 (and <= 1"),
+    (["eval.bootstrap=0"], "eval.bootstrap must be a positive integer, got 0"),
+    (["eval.edges=[0, 100, 50]"], "eval.edges must be integers that start at 0"),
+    (["eval.controls=[1000"], "not valid YAML"),
 ])
 def test_bad_keys_and_values_are_one_clear_error(sets, message):
     with pytest.raises(InputError, match=re.escape(message)):

@@ -128,10 +128,11 @@ def test_a_truncated_trainer_state_is_one_line(bundled_store, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--edges", "a,b"], "--edges takes comma-separated integers"),
-    (["--edges", "100,10"], "edges must be integers that start at 0 and increase strictly"),
-    (["--controls", "-5"], "controls must be positive context lengths, got -5"),
-    (["--bootstrap", "-1"], "n_boot (bootstrap) must be a positive integer, got -1"),
+    (["--edges", "a,b"], "--edges[0] must be an integer, got 'a'"),
+    (["--edges", "100,10"], "--edges must be integers that start at 0 and increase strictly"),
+    (["--controls", "-5"], "--controls must be positive context lengths, got -5"),
+    (["--bootstrap", "-1"], "--bootstrap must be a positive integer, got -1"),
+    (["--baselines", "[0, 99]"], "--baselines must be Markov orders 0..14, got 99"),
 ])
 def test_evaluate_arguments_are_checked_before_scoring(bundled_store, tmp_path, capsys, flags,
                                                        needle, monkeypatch):
@@ -160,8 +161,8 @@ def test_trained_with_one_backend_evaluated_with_another(bundled_store, tmp_path
     assert "dsa_backend" not in json.loads((ckpt / "config.json").read_text())["model"]
     out = tmp_path / "eval"
     assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
-                 "--regions", "chr22:1-4,096", "--no-probe", "--controls", "", "--out", str(out),
-                 "--quiet"]) == 0, capsys.readouterr().err
+                 "--regions", "chr22:1-4,096", "--no-probe", "--controls", "", "--baselines", "",
+                 "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
     assert json.loads((out / "report.json").read_text())["overall"]["bits_per_base"] > 0
 
 

@@ -1,0 +1,73 @@
+"""What an evaluation scores and reports: one dataclass, the only home of its defaults.
+
+``megabase evaluate``'s flags are made from its fields (``probe_windows`` -> ``--probe-windows``,
+a bool -> ``--probe`` / ``--no-probe``), a run config's ``eval`` section is read into it, and
+:func:`megabase.eval.evaluate.evaluate` takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megabase.data.errors import InputError
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class EvalConfig:
+    """Options of an evaluation (defaults are those of ``megabase run`` and ``megabase evaluate``)."""
+
+    enabled: bool = field(default=True, metadata=_help(
+        "megabase run: evaluate after training"))
+    regions: list[str] = field(default_factory=list, metadata=_help(
+        "records/regions to tile and score; empty: the held-out regions the checkpoint's run "
+        "recorded (a run: data.eval)"))
+    length: int | None = field(default=None, metadata=_help(
+        "window length; empty: the checkpoint's"))
+    edges: list[int] | None = field(default=None, metadata=_help(
+        "context bin edges, e.g. 0,1000,4000,16000,65536; empty: powers of 4 up to the window"))
+    controls: list[int] = field(default_factory=lambda: [1000], metadata=_help(
+        "context limits of the truncation control"))
+    probe: bool = field(default=True, metadata=_help("the in-context recall probe"))
+    probe_windows: int = field(default=32, metadata=_help("recall-probe windows per distance"))
+    baselines: list[int] = field(default_factory=lambda: [0, 4], metadata=_help(
+        "Markov orders scored on the same windows (fitted on the training regions)"))
+    train: list[str] = field(default_factory=list, metadata=_help(
+        "records/regions the Markov baselines are fitted on; empty: the checkpoint's run's "
+        "(a run: data.train)"))
+    bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
+    segment: int = field(default=65536, metadata=_help(
+        "windows longer than this many bases are streamed in pieces of it"))
+    seed: int = field(default=0, metadata=_help("seed of the bootstrap and the probe"))
+
+
+    def check(self) -> EvalConfig:
+        """Values that parse but cannot work, refused before any scoring. Errors name the
+        option as ``{name}``: the CLI shows its flag, a run its config key."""
+        from .bins import check_edges
+        from .markov import MAX_ORDER
+
+        if self.edges:
+            try:
+                check_edges(self.edges)
+            except (TypeError, ValueError):
+                raise InputError(f"{{edges}} must be integers that start at 0 and increase "
+                                 f"strictly, got {list(self.edges)[:12]}", options=("edges",)) from None
+        for c in self.controls:
+            if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+                raise InputError(f"{{controls}} must be positive context lengths, got {c}",
+                                 options=("controls",))
+        for k in self.baselines:
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_ORDER:
+                raise InputError(f"{{baselines}} must be Markov orders 0..{MAX_ORDER}, got {k}",
+                                 options=("baselines",))
+        for name in ("probe_windows", "bootstrap", "segment", "length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise InputError(f"{{{name}}} must be a positive integer, got {value}",
+                                 options=(name,))
+        return self
