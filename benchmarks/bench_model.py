@@ -1,6 +1,6 @@
 """Model benchmarks, each a ratio against a baseline measured in the same run.
 
-    python benchmarks/bench_model.py [--only kda,memory,hybrid] [--lengths 65536,262144,1048576]
+    python benchmarks/bench_model.py [--only kda,memory,hybrid,nocompiler] [--lengths 65536,...]
 
 - kda: the PyTorch chunk form (``kda_chunk_torch``) and the C recurrence (``kda_chunk`` on CPU)
   vs the PyTorch recurrence ``kda_recurrent``, forward + backward at T = 8192 (target >= 20x).
@@ -9,6 +9,10 @@
   on real bases of the bundled genome.
 - hybrid: one ``cpu-small`` training step vs a dense-attention Transformer (SDPA) of the same width,
   depth and active FFN size at T = 32,768 (target <= 0.2x its time).
+- nocompiler: what the sparse-matrix DSA attention (``kernels/dsa/csr.py``) buys a machine without
+  a C compiler (``MEGABASE_NATIVE=0``): a ``cpu-small`` training step at T = 32,768 with the CPU
+  backend's fallback (reference indexer, sparse-matrix attention and KL) vs the plain reference,
+  each in a fresh process; with the C kernels on for scale.
 """
 
 from __future__ import annotations
@@ -181,14 +185,43 @@ def bench_hybrid(T: int = 32768) -> dict:
     return {"T": T, "hybrid_s": t_hybrid, "dense_s": t_dense, "ratio": t_hybrid / t_dense}
 
 
+def nocompiler_child(backend: str, T: int = 32768) -> None:
+    tokens = real_tokens(T)
+    model = build_model("cpu-small", dsa_backend=backend)
+    short = tokens[:, :2049]
+    model(short[:, :-1], short[:, 1:]).loss.backward()  # warm-up
+    times = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"backend": backend, "step_s": min(times)}))
+
+
+def bench_nocompiler() -> dict:
+    out = {}
+    for name, backend, native in (("csr", "cpu", "0"), ("reference", "reference", "0"),
+                                  ("c", "cpu", "1")):
+        env = {**os.environ, "MEGABASE_NATIVE": native}
+        run = subprocess.run([sys.executable, __file__, "--nocompiler-child", backend], env=env,
+                             capture_output=True, text=True, check=True)
+        out[name] = json.loads(run.stdout.strip().splitlines()[-1])["step_s"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--only", default="kda,memory,hybrid")
     parser.add_argument("--lengths", default="65536,262144,1048576")
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--nocompiler-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(args.memory_child)
+        return
+    if args.nocompiler_child:
+        nocompiler_child(args.nocompiler_child)
         return
     only = set(args.only.split(","))
     print(f"machine: {machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -213,6 +246,11 @@ def main() -> None:
         r = bench_hybrid()
         print(f"cpu-small step T={r['T']:,}: hybrid {r['hybrid_s']:.2f} s, dense SDPA "
               f"{r['dense_s']:.2f} s -> ratio hybrid/dense {r['ratio']:.3f}x (target <= 0.2)")
+    if "nocompiler" in only:
+        r = bench_nocompiler()
+        print(f"cpu-small step T=32,768 without a C compiler: sparse-matrix DSA {r['csr']:.2f} s, "
+              f"reference DSA {r['reference']:.2f} s -> ratio reference/csr "
+              f"{r['reference'] / r['csr']:.2f}x (C kernels: {r['c']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 def cmd_baseline(args: argparse.Namespace) -> None:
     from megabase.eval.evaluate import markov_baseline
 
+    given = {k: v for k, v in (("length", args.length), ("n_boot", args.bootstrap),
+                               ("seed", args.seed)) if v is not None}  # else the function's defaults
     report = markov_baseline(args.data, args.order, _csv(args.train), _csv(args.eval), args.out,
-                             length=args.length, n_boot=args.bootstrap, seed=args.seed,
                              progress=not args.quiet, experiment=args.experiment,
-                             tracking_uri=args.tracking_uri)
+                             tracking_uri=args.tracking_uri, **given)
     summary.print_report(report)
 
 
@@ -224,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", type=int, required=True, help="Markov order K (0..14)")
     p.add_argument("--train", required=True, help="records/regions to fit on, e.g. chr01,chr02")
     p.add_argument("--eval", required=True, help="records/regions to score, e.g. chr22")
-    p.add_argument("--length", type=_positive_int, default=65_536, help="window length for binning")
-    p.add_argument("--bootstrap", type=int, default=EvalConfig.bootstrap)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length", type=_positive_int, help="window length for binning")
+    p.add_argument("--bootstrap", type=_positive_int, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, help="bootstrap seed")
     p.add_argument("--out", required=True, help="report directory")
     _tracking_flags(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
