@@ -3,7 +3,7 @@
 Three implementations with one signature: the plain-PyTorch reference
 (:mod:`megabase.kernels.dsa.reference`, the test oracle), the CPU kernels
 (:mod:`megabase.kernels.dsa.cpu`, the CPU default: indexer, sparse attention and the sparse indexer
-loss in C, with sparse-matrix products where no C compiler is found) and Triton kernels
+loss in C, the reference where no C compiler is found) and Triton kernels
 (:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
 ``"reference"``, ``"cpu"`` or ``"triton"``; Triton on CPU tensors runs under
 ``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes follow

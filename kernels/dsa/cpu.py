@@ -1,5 +1,4 @@
-"""The CPU kernels of DSA: the indexer and sparse attention in C, the sparse indexer loss as
-sparse-matrix products.
+"""The CPU kernels of DSA: the indexer, sparse attention and the sparse indexer loss in C.
 
 Same signatures and results as :mod:`megabase.kernels.dsa.reference` (the oracle), another
 evaluation order. ``indexer.c`` computes each query's index scores one block of keys at a time and
@@ -7,8 +6,9 @@ keeps its top-k in the reference's total order (score desc, position desc), neve
 a block of scores. ``attention.c`` is softmax attention over the selected keys with a flash-style
 backward: it reads the selected keys where they are, where the PyTorch forms gather or scatter
 ``[Tq, topk]`` rows through memory. Both are built on first use by :mod:`megabase.kernels.native`;
-where they cannot be, the reference indexer and the sparse-matrix attention
-(:mod:`megabase.kernels.dsa.csr`) run instead.
+where they cannot be, the reference runs instead. (A sparse-matrix form of the attention and the
+loss, ``torch.sparse.sampled_addmm``, was the fallback until a measurement showed it 1.04x the
+reference's speed for a whole training step: ``benchmarks/bench_model.py --only nocompiler``.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from megabase.kernels import native
 from megabase.kernels.precision import full_precision
 
-from . import csr, reference
+from . import reference
 
 VW = 16  # keys per vector in indexer.c
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -115,10 +115,11 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_prob
 
     As :func:`megabase.kernels.dsa.reference.sparse_attention` (``k, v`` may hold more keys than
     there are queries); ``block_q`` is accepted for the shared signature. No C kernel, or tensors
-    off the CPU: :func:`megabase.kernels.dsa.csr.sparse_attention`.
+    off the CPU: the reference.
     """
     if q.device.type != "cpu" or _attention_lib() is None or q.shape[1] == 0 or not indices.shape[-1]:
-        return csr.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+        return reference.sparse_attention(q, k, v, indices, scale, block_q or reference.BLOCK_Q,
+                                          return_probs)
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
     o, probs = _Attention.apply(q.float().contiguous(), k.float().contiguous(),
@@ -161,11 +162,11 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q:
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
     As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse`. No C kernel, or tensors off the
-    CPU: :func:`megabase.kernels.dsa.csr.indexer_kl_sparse`.
+    CPU: the reference.
     """
     if q_idx.device.type != "cpu" or _attention_lib() is None or q_idx.shape[1] == 0 \
             or not indices.shape[-1]:
-        return csr.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+        return reference.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
     B, Tq, HI, DI = q_idx.shape
     scale = DI**-0.5 if scale is None else scale
     w = None if w_idx is None else w_idx.float().contiguous()

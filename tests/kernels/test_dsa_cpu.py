@@ -1,10 +1,8 @@
-"""The CPU DSA kernels (the CPU default: C indexer and attention) and the sparse-matrix fallback
-against the reference.
+"""The CPU DSA kernels (the CPU default: C indexer and attention) against the reference.
 
 Sparse attention and the sparse indexer KL: outputs, head-summed probabilities and every gradient
 within the shared tolerance table, at odd lengths, GQA, ``topk`` above and below ``T``, batches, a
-streaming offset (more keys than queries), queries without keys, and (sparse-matrix form) rows split
-into several blocks. The C indexer: the same selected keys, ties included; the fallback when the
+streaming offset (more keys than queries), queries without keys. The C indexer: the same selected keys, ties included; the fallback when the
 C kernels cannot be built.
 """
 
@@ -14,14 +12,13 @@ import pytest
 import torch
 
 from megabase.kernels import native
-from megabase.kernels.dsa import cpu, csr, dsa_indexer, reference, resolve_backend, sparse_attention
+from megabase.kernels.dsa import cpu, dsa_indexer, reference, resolve_backend, sparse_attention
 from tests.kernels.test_dsa import SHAPES, dense_topk, make
 from tests.kernels.tolerances import assert_close
 
 
-IMPLS = {  # the C attention (CPU default), the sparse-matrix fallback, the oracle
+IMPLS = {  # the C attention (CPU default), the oracle
     "cpu": (cpu.sparse_attention, cpu.indexer_kl_sparse),
-    "csr": (csr.sparse_attention, csr.indexer_kl_sparse),
     "reference": (reference.sparse_attention, reference.indexer_kl_sparse),
 }
 
@@ -38,7 +35,7 @@ def run(impl, q, k, v, qi, ki, wi, idx):
     return [o.detach(), p, kl.detach(), *grads]
 
 
-def assert_backends_agree(q, k, v, qi, ki, wi, idx, impls=("cpu", "csr")):
+def assert_backends_agree(q, k, v, qi, ki, wi, idx, impls=("cpu",)):
     names = ["o", "probs", "kl", "dq", "dk", "dv", "dq_idx", "dk_idx", "dw_idx"]
     ref = run("reference", q, k, v, qi, ki, wi, idx)
     for impl in impls:
@@ -53,13 +50,6 @@ def test_forward_and_gradients_match_the_reference(shape, weighted):
     wi = wi if weighted else None
     idx = dsa_indexer(qi, ki, wi, shape[-1])
     assert_backends_agree(q, k, v, qi, ki, wi, idx)
-
-
-def test_csr_rows_split_into_blocks(monkeypatch):
-    q, k, v, qi, ki, wi = make(2, 53, 4, 2, 8, 2, 4, 6, seed=22)
-    idx = dsa_indexer(qi, ki, wi, 6)
-    monkeypatch.setattr(csr, "ENTRIES", 6 * 17)  # 17 rows a block: blocks cross the batch border
-    assert_backends_agree(q, k, v, qi, ki, wi, idx, impls=("csr",))
 
 
 def test_streaming_offset_more_keys_than_queries():
@@ -126,7 +116,7 @@ def test_native_build_failure_falls_back_with_one_warning(tmp_path, monkeypatch)
     monkeypatch.setenv("MEGABASE_NATIVE", "0")
     native.load.cache_clear()
     assert native.load(str(bad)) is None
-    assert not cpu.available()  # off: the reference indexer and the csr attention run instead
+    assert not cpu.available()  # off: the reference runs instead
     _, _, _, qi, ki, wi = make(1, 40, 1, 1, 4, 2, 3, 5, seed=3)
     assert torch.equal(dsa_indexer(qi, ki, wi, 5, backend="cpu"), dense_topk(qi, ki, wi, 5))
     native.load.cache_clear()
