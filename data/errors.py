@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -12,19 +13,19 @@ class InputError(Exception):
     A library function names its own arguments: ``options`` lists the ones ``what`` refers to as
     ``{name}``. ``str()`` shows them as written (``length must be positive``); a caller that knows
     them by other names (the CLI's ``--length``, a config's ``data.window_length``) asks for
-    :meth:`named`.
+    :meth:`named` with its own naming.
     """
 
     def __init__(self, what: str, path: str | Path | None = None, record: str | None = None,
                  options: tuple[str, ...] = ()):
         self.what, self.path, self.record, self.options = what, path, record, tuple(options)
-        super().__init__(self.named({}))
+        super().__init__(self.named())
 
-    def named(self, names: dict[str, str]) -> str:
-        """The message with each option ``{name}`` written as ``names[name]`` (default: as is)."""
+    def named(self, name_of: Callable[[str], str] = str) -> str:
+        """The message with each option ``{name}`` written as ``name_of(name)`` (default: as is)."""
         what = self.what
         for option in self.options:
-            what = what.replace("{" + option + "}", names.get(option, option))
+            what = what.replace("{" + option + "}", name_of(option))
         parts = []
         if self.path is not None:
             parts.append(str(self.path))

@@ -286,11 +286,10 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does: temp folders go, nothing half-kept
 
 
-# what the library calls an argument (InputError options) is, to a user of a subcommand, its flag;
-# to a user of `megabase run` / `train`, a key of the run config
-FLAGS = {"length": "--length", "stride": "--stride", "max_n_frac": "--max-n-frac",
-         "on_short": "--short keep", "split": "--split", "splits": "--split", "out": "--out",
-         "train": "--train", "mlflow_run": "--mlflow-run"}
+# what the library calls an argument (InputError options) is, to a user of a subcommand, its flag
+# (`max_n_frac` -> `--max-n-frac`, but for these); to a user of `megabase run` / `train`, a key
+# of the run config
+FLAGS = {"on_short": "--short keep", "splits": "--split"}
 CONFIG_KEYS = {"length": "data.window_length", "stride": "data.stride",
                "max_n_frac": "data.max_n_frac", "out": "data.store",
                "baselines": "eval.baselines", "train": "data.train"}
@@ -303,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except InputError as exc:
-        names = CONFIG_KEYS if args.command in ("run", "train") else \
-            {**{f.name: _flag(f.name) for f in dataclasses.fields(EvalConfig)}, **FLAGS}
-        print(f"megabase {args.command}: error: {exc.named(names)}", file=sys.stderr)
+        if args.command in ("run", "train"):
+            line = exc.named(lambda name: CONFIG_KEYS.get(name, name))
+        else:
+            line = exc.named(lambda name: FLAGS.get(name) or _flag(name))
+        print(f"megabase {args.command}: error: {line}", file=sys.stderr)
         return 2
     except TrainingError as exc:
         print(f"megabase {args.command}: error: {exc}", file=sys.stderr)

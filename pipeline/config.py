@@ -182,15 +182,16 @@ def build_section(cls, data: dict, source: str, name_of=str):
     for name, value in data.items():
         if name not in known:
             raise InputError(f"unknown option {name_of(name)!r}", source)
-        kwargs[name] = _convert(parse_value(value), hints[name], name_of(name), source)
+        kwargs[name] = _convert(parse_value(value, name_of(name)), hints[name], name_of(name), source)
     return cls(**kwargs)
 
 
-def parse_value(text):
+def parse_value(text, source: str):
     """A ``--set`` or flag value: YAML flow syntax for lists and mappings (``[0, 4, 7]``,
-    ``{topk: 64}``), anything else as the string it is (``0,4,7`` is split later, by its type)."""
+    ``{topk: 64}``), anything else as the string it is (``0,4,7`` is split later, by its type).
+    ``source`` names the value in a YAML error."""
     if isinstance(text, str) and text.strip()[:1] in ("[", "{"):
-        return _yaml(text, f"value {_short(text)}")
+        return _yaml(text, source)
     return text
 
 
@@ -237,10 +238,11 @@ def _set(tree: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise InputError(f"--set {assignment!r}: {part!r} is not a section")
         node = child
+    source = f"--set {key.strip()}"
     if parts[-1] == "overrides" or (len(parts) >= 3 and parts[-2] == "overrides"):
-        value = _yaml(value, f"--set {key.strip()}")
-    elif value.strip()[:1] in ("[", "{"):  # the YAML flow syntax of the config files
-        value = _yaml(value, f"--set {key.strip()}")
+        value = _yaml(value, source)  # model fields: YAML scalars too (ints, floats, bools)
+    else:
+        value = parse_value(value, source)
     node[parts[-1]] = value
 
 
@@ -291,8 +293,7 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
     try:
         cfg.eval.check()
     except InputError as exc:  # its options are this section's keys
-        raise InputError(exc.named({f.name: f"eval.{f.name}" for f in dataclasses.fields(EvalConfig)}),
-                         source) from None
+        raise InputError(exc.named(lambda name: f"eval.{name}"), source) from None
     _check_parallel(cfg, source)
     _check_curriculum(cfg, source)
     _check_bounds(cfg, source)
