@@ -1,9 +1,11 @@
 """Model benchmarks, each a ratio against a baseline measured in the same run.
 
-    python benchmarks/bench_model.py [--only kda,memory,hybrid,nocompiler] [--lengths 65536,...]
+    python benchmarks/bench_model.py [--only kda,conv,memory,hybrid,nocompiler] [--lengths 65536,...]
 
 - kda: the PyTorch chunk form (``kda_chunk_torch``) and the C recurrence (``kda_chunk`` on CPU)
   vs the PyTorch recurrence ``kda_recurrent``, forward + backward at T = 8192 (target >= 20x).
+- conv: the KDA layer's short convolution + SiLU (``cpu-small``: 384 channels, width 4), forward +
+  backward at T = 32,768, the C kernel vs the PyTorch reference (same process, alternated, best of 3).
 - memory: the ``debug`` preset, one forward + backward with per-layer recompute at each length, each
   in a fresh process; peak RSS per token at the longest vs the shortest length (target <= 1.3x),
   on real bases of the bundled genome.
@@ -33,6 +35,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
+from megabase.kernels.conv import cpu as conv_cpu  # noqa: E402
+from megabase.kernels.conv import reference as conv_reference  # noqa: E402
 from megabase.kernels.kda import cpu as kda_cpu  # noqa: E402
 from megabase.kernels.kda import kda_chunk_torch, kda_recurrent  # noqa: E402
 from megabase.model import build_model, get_preset  # noqa: E402
@@ -68,6 +72,24 @@ def bench_kda(T: int = 8192) -> dict:
         reps = 1 if name == "recurrent" else 3
         out[f"{name}_s"] = min(step_time(fn, kda_inputs(T)) for _ in range(reps))
     return out
+
+
+def bench_conv(T: int = 32768, C: int = 384, W: int = 4) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, T, C, generator=gen).requires_grad_()
+    w = (torch.randn(C, W, generator=gen) / W**0.5).requires_grad_()
+
+    def once(fn):
+        start = time.perf_counter()
+        y, _ = fn(x, w)
+        y.square().mean().backward()
+        return time.perf_counter() - start
+
+    times = {"torch": [], "c": []}
+    for _ in range(3):  # alternated: the machine's speed drifts between runs of a few seconds
+        times["torch"].append(once(conv_reference.short_conv))
+        times["c"].append(once(conv_cpu.short_conv))
+    return {"T": T, "C": C, **{f"{k}_s": min(v) for k, v in times.items()}}
 
 
 def real_tokens(T: int) -> torch.Tensor:
@@ -210,7 +232,7 @@ def bench_nocompiler() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--only", default="kda,memory,hybrid")
+    parser.add_argument("--only", default="kda,conv,memory,hybrid")
     parser.add_argument("--lengths", default="65536,262144,1048576")
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--nocompiler-child", help=argparse.SUPPRESS)
@@ -233,6 +255,10 @@ def main() -> None:
             print(f"  C recurrence (kda_chunk's CPU default) {r['c_s']:.3f} s -> "
                   f"{r['recurrent_s'] / r['c_s']:.1f}x the PyTorch recurrence, "
                   f"{r['chunk_s'] / r['c_s']:.1f}x the PyTorch chunk form", flush=True)
+    if "conv" in only and conv_cpu.available():
+        r = bench_conv()
+        print(f"short conv + SiLU fwd+bwd [1, {r['T']:,}, {r['C']}]: PyTorch {r['torch_s']:.3f} s, C "
+              f"{r['c_s']:.3f} s -> ratio {r['torch_s'] / r['c_s']:.1f}x", flush=True)
     if "memory" in only:
         print("debug preset, forward+backward, recompute=layer:", flush=True)
         rows = bench_memory([int(x) for x in args.lengths.split(",")])

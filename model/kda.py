@@ -67,7 +67,7 @@ class KDALayer(nn.Module):
         new_tail)``: the inputs of the KDA op."""
         B, T, _ = x.shape
         H, K = self.H, self.K
-        qkv, tail = self.conv(qkv, tail)
+        qkv, tail = self.conv(qkv, tail, self.cfg.kda_backend)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.b_proj(x).float())

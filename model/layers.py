@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megabase.kernels.conv import short_conv
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dim (computed in fp32)."""
@@ -55,7 +57,8 @@ class Linear(nn.Linear):
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv of width ``w`` over ``[B, T, C]``, then SiLU.
+    """Causal depthwise conv of width ``w`` over ``[B, T, C]``, then SiLU
+    (:func:`megabase.kernels.conv.short_conv`).
 
     For streaming, ``forward(x, tail)`` takes the last ``w-1`` inputs of the previous segment
     (``[B, w-1, C]``, zeros at the start) and returns ``(y, new_tail)``.
@@ -66,17 +69,9 @@ class ShortConv(nn.Module):
         self.width = width
         self.weight = nn.Parameter(torch.randn(channels, 1, width) / width**0.5)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
-        B, T, C = x.shape
-        if tail is None:
-            tail = x.new_zeros(B, self.width - 1, C)
-        xx = torch.cat([tail.to(x.dtype), x], dim=1)
-        w = self.weight[:, 0, :].to(x.dtype)
-        # Shifted products summed in a fixed order: element-wise, so exact under any segmentation.
-        y = xx[:, : T] * w[:, 0]
-        for j in range(1, self.width):
-            y = y + xx[:, j : j + T] * w[:, j]
-        return F.silu(y), xx[:, xx.shape[1] - (self.width - 1) :]
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, backend: str = "auto"):
+        """``backend``: as :func:`megabase.kernels.conv.short_conv`'s (the KDA layer passes its own)."""
+        return short_conv(x, self.weight[:, 0, :], tail, backend)
 
 
 class SwiGLU(nn.Module):
