@@ -44,18 +44,26 @@ def remove_stale_temps(parent: Path, name: str = "*") -> list[Path]:
 
 def write_atomic(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary sibling renamed into place."""
+    with writing(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to write by name (for a library that opens the file itself),
+    renamed to ``path`` when the block ends, removed if it raises; it follows the user's umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+        yield Path(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; a file the user writes follows umask
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def current_umask() -> int:

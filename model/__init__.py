@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from .checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint, verify_checkpoint
 from .config import ModelConfig
-from .lm import HybridLM, LMOutput, log_probs
+from .lm import HybridLM, LMOutput
 from .presets import PRESETS, get_preset, parameter_counts
+from .stream import advance, fork, log_probs, stream
 
 
 def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
@@ -14,5 +15,6 @@ def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
     return HybridLM(cfg)
 
 
-__all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "verify_checkpoint", "ModelConfig", "HybridLM", "LMOutput", "log_probs", "PRESETS", "get_preset",
-           "parameter_counts", "build_model"]
+__all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "verify_checkpoint",
+           "ModelConfig", "HybridLM", "LMOutput", "log_probs", "stream", "advance", "fork", "PRESETS",
+           "get_preset", "parameter_counts", "build_model"]

@@ -1,4 +1,4 @@
-"""The hybrid language model over the nucleotide vocabulary, and the streaming scorer.
+"""The hybrid language model over the nucleotide vocabulary (streaming it: :mod:`.stream`).
 
 Reads top to bottom: a block is ``x + mixer(norm(x))`` then ``x + ffn(norm(x))``; the LM embeds
 tokens, runs the blocks, and scores next-base targets in chunks. It is single-device and plain:
@@ -7,7 +7,6 @@ recompute and offload are applied to it from :mod:`megabase.pipeline.memory`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from .config import ModelConfig
 from .dsa import DSALayer
 from .kda import KDALayer
 from .kmer import KmerEmbedding
-from .layers import ROW_TILE, Linear, RMSNorm, SwiGLU, tiled_matmul
+from .layers import Linear, RMSNorm, SwiGLU, tiled_matmul
 from .moe import MoE
 from .sequence import ONE_PROCESS
 
@@ -175,46 +174,3 @@ class HybridLM(nn.Module):
         margin histograms ``[n_moe_layers, E, N_MARGIN_BINS]`` of the same tokens)."""
         for i, (moe, load) in enumerate(zip(self.moe_layers(), expert_load)):
             moe.update_bias(load, None if expert_margins is None else expert_margins[i])
-
-
-@torch.no_grad()
-def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None):
-    """``log p(tokens[:, t+1] | tokens[:, :t+1])`` for every t: ``[B, T-1]`` fp32.
-
-    With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
-    piece by piece, carrying KDA states, conv tails and DSA caches, and gives the same numbers as
-    the full pass (on CPU all but a few tokens bit for bit; see the README). State is committed only
-    at multiples of ``ROW_TILE`` positions, where every canonical tile of the full pass begins; the
-    tokens of an unfinished tile are recomputed with the next piece (at most ``ROW_TILE - 1`` tokens
-    of extra work per piece).
-    """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    T = inputs.shape[1]
-    if segment is None:
-        return -model(inputs, targets).nll
-    state, committed, parts, start = model.init_state(), 0, [], 0
-    for n in _segments(T, segment):
-        end = start + n
-        boundary = committed + (end - committed) // ROW_TILE * ROW_TILE
-        scored = []
-        if boundary > committed:
-            scored.append(model(inputs[:, committed:boundary], targets[:, committed:boundary],
-                                state=state).nll)
-        if end > boundary:
-            scratch = [dict(layer) for layer in state]  # entries are replaced, never mutated
-            scored.append(model(inputs[:, boundary:end], targets[:, boundary:end],
-                                state=scratch).nll)
-        parts.append(-torch.cat(scored, dim=1)[:, start - committed :])
-        committed, start = boundary, end
-    return torch.cat(parts, dim=1)
-
-
-def _segments(total: int, segment: int | Sequence[int]) -> list[int]:
-    if isinstance(segment, int):
-        if segment < 1:
-            raise ValueError(f"segment must be positive, got {segment}")
-        return [min(segment, total - s) for s in range(0, total, segment)]
-    lengths = [int(n) for n in segment]
-    if sum(lengths) != total or min(lengths, default=1) < 1:
-        raise ValueError(f"segment lengths must be positive and sum to {total}, got {lengths}")
-    return lengths

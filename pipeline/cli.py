@@ -140,6 +140,15 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(f"table written to {args.csv}")
 
 
+def cmd_score(args: argparse.Namespace) -> None:
+    from megabase.infer import score
+
+    result = score(args.checkpoint, args.data, _csv(",".join(args.regions)), out=args.out,
+                   entropy=args.entropy, context=args.context, segment=args.segment,
+                   formats=tuple(_csv(args.format)), progress=not args.quiet)
+    summary.print_score(result)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
@@ -219,6 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
 
+    p = sub.add_parser("score", help="checkpoint + regions -> per-base surprisal tracks "
+                       "(bedGraph, bigWig)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, help="token store directory")
+    p.add_argument("--regions", action="append", required=True, metavar="REGIONS",
+                   help="e.g. chr22 or chr22:1-1,048,576 (comma-separated, repeatable)")
+    p.add_argument("--out", required=True, help="folder for surprisal.bedgraph / surprisal.bw "
+                   "(other files in it are left alone)")
+    p.add_argument("--entropy", action="store_true",
+                   help="also the entropy of each predicted distribution (entropy.*)")
+    p.add_argument("--context", type=_whole, default=0,
+                   help="bases before each region read as context, not scored (default 0)")
+    p.add_argument("--segment", type=_positive_int, default=65_536,
+                   help="bases per streamed piece: bounds the memory (default 65,536)")
+    p.add_argument("--format", default="bedgraph,bigwig", help="bedgraph, bigwig or both (default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_score)
+
     p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
     p.add_argument("kind", choices=["markov"])
     p.add_argument("--data", required=True, help="token store directory")
@@ -272,14 +299,19 @@ def _tracking_flags(p: argparse.ArgumentParser) -> None:
                    "(default $MLFLOW_TRACKING_URI or sqlite:///work/mlflow.db)")
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, least: int = 0) -> int:
     try:
         value = int(text.replace(",", "").replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if least else 'at least 0'}, "
+                                         f"got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
 
 
 def _terminated(signum, frame):

@@ -124,6 +124,27 @@ def print_report(report: dict) -> None:
                       f"`mlflow ui --backend-store-uri {m['tracking_uri']}`")
 
 
+def print_score(result) -> None:
+    """Per region: bases, scored bases, mean bits/base (and entropy); files; time and peak memory."""
+    console = Console()
+    table = Table(title="per-base surprisal", title_justify="left")
+    with_entropy = any(t.entropy is not None for t in result.tracks)
+    for col in ("region", "bases", "scored", "mean bits/base") + (("mean entropy",) if with_entropy else ()):
+        table.add_column(col, justify="left" if col == "region" else "right")
+    for t in result.tracks:
+        scored = int((t.bits == t.bits).sum())
+        row = [str(t.region.spec), f"{len(t.bits):,}", f"{scored:,}", _num(t.mean_bits)]
+        if with_entropy:
+            row.append(_num(float(t.entropy[t.bits == t.bits].mean()) if scored else float("nan")))
+        table.add_row(*row)
+    console.print(table)
+    for name, path in result.files.items():
+        console.print(f"  {name}: {path}")
+    bases = sum(len(t.bits) for t in result.tracks)
+    console.print(f"{bases:,} bases in {result.seconds:.1f} s ({bases / max(result.seconds, 1e-9):,.0f} "
+                  f"bases/s), peak memory {result.peak_rss / 2**30:.2f} GiB")
+
+
 def print_compare(table) -> None:
     """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column; more
     than three curves (a sweep) print one row per curve instead, so that the table stays readable."""

@@ -1,0 +1,82 @@
+"""What every use of a trained model shares: the checkpoint, the store, regions, output files."""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megabase.data import InputError, TokenStore
+from megabase.data.names import parse_region
+
+LN2 = float(np.log(2.0))
+DEFAULT_SEGMENT = 65_536  # bases per streamed piece: memory is bounded by this, not by the region
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A resolved region: record ``chrom``, 0-based half-open ``[start, end)``, as the user wrote it."""
+
+    chrom: str
+    start: int
+    end: int
+    spec: str
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def resolve_regions(store: TokenStore, specs: list[str]) -> list[Interval]:
+    """``chr22``, ``22`` or ``chr22:1,000,001-2,000,000`` against the store's records (one line
+    naming the store and suggesting ``chr22``<->``22`` where a name is missing)."""
+    if not specs:
+        raise InputError("name at least one region ({regions}), e.g. chr22:1-100,000",
+                         str(store.path), options=("regions",))
+    out = []
+    for spec in specs:
+        region = parse_region(spec, store.names, str(store.path))
+        length = store.length(region.name)
+        end = length if region.end is None else region.end
+        if end > length:
+            raise InputError(f"region {spec!r} ends at {end:,}, past the end of {region.name} "
+                             f"({length:,} bases)", str(store.path))
+        if end <= region.start:
+            raise InputError(f"region {spec!r} is empty", str(store.path))
+        out.append(Interval(region.name, region.start, end, spec))
+    return out
+
+
+def load_model(checkpoint: str | Path):
+    """The checkpoint's model in eval mode (one line naming the file if it is damaged)."""
+    from megabase.model import load_checkpoint
+
+    return load_checkpoint(checkpoint).eval()
+
+
+def check_output_dir(out: Path) -> Path:
+    """``out`` may be new or a folder; files megabase writes in it are replaced, nothing else is
+    touched. Checked before minutes of work."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError("exists and is not a directory; choose another {out}", out,
+                         options=("out",))
+    parent = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise InputError("is not writable; choose another {out}", parent, options=("out",))
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tokens_of(store: TokenStore, iv: Interval, before: int = 0) -> tuple[np.ndarray, int]:
+    """The region's tokens with up to ``before`` bases of the record before it: ``(tokens, how
+    many of them precede the region)``."""
+    lo = max(0, iv.start - before)
+    return np.asarray(store.tokens(iv.chrom)[lo : iv.end]), iv.start - lo

@@ -1,0 +1,98 @@
+"""Running a model over a long sequence piece by piece: memory bounded by the piece, the numbers of
+the full pass.
+
+Each piece continues from the carried state (KDA states, conv tails, DSA key caches, the k-mer
+tables' last tokens). :func:`stream` commits state only at multiples of ``ROW_TILE`` positions,
+where every canonical tile of the full pass begins; the tokens of an unfinished tile are recomputed
+with the next piece (at most ``ROW_TILE - 1`` tokens of extra work per piece), so on CPU all but a
+few tokens come out bit for bit as in one pass (see the README). :func:`advance` commits wherever
+it stops (incremental decoding, variants scored from a shared prefix): the same numbers to fp32
+round-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .layers import ROW_TILE
+from .lm import HybridLM
+
+
+@torch.no_grad()
+def advance(model: HybridLM, inputs: torch.Tensor, state: list[dict], layer: int | None = None):
+    """Run ``inputs [B, n]`` from ``state`` (``model.init_state()`` at the start; extended in
+    place) -> ``(logits [B, n, 4] fp32, hidden [B, n, d] after block ``layer`` or None)``."""
+    captured: list[torch.Tensor] = []
+    handle = None
+    if layer is not None:
+        if not 1 <= layer <= len(model.blocks):
+            raise ValueError(f"layer must be 1..{len(model.blocks)}, got {layer}")
+        handle = model.blocks[layer - 1].register_forward_hook(
+            lambda module, args, out: captured.append(out[0]))
+    try:
+        logits = model(inputs, state=state).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    return logits, (captured[0] if captured else None)
+
+
+def fork(state: list[dict]) -> list[dict]:
+    """A copy of a streaming state to continue two ways (entries are replaced, never mutated)."""
+    return [dict(layer) for layer in state]
+
+
+@torch.no_grad()
+def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
+           layer: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """Yields ``(start, logits [B, n, 4] fp32, hidden [B, n, d] or None)`` for consecutive pieces of
+    ``inputs [B, T]`` (``segment``: a length, or lengths summing to ``T``): the next-base logits
+    over A/C/G/T at positions ``start .. start + n``, and with ``layer`` (1..n_layers) the residual
+    stream after that block, as one full pass would give them."""
+    state, committed, start = model.init_state(), 0, 0
+    for n in segments(inputs.shape[1], segment):
+        end = start + n
+        boundary = committed + (end - committed) // ROW_TILE * ROW_TILE
+        parts = []
+        if boundary > committed:
+            parts.append(advance(model, inputs[:, committed:boundary], state, layer))
+        if end > boundary:
+            parts.append(advance(model, inputs[:, boundary:end], fork(state), layer))
+        logits = torch.cat([p[0] for p in parts], dim=1)[:, start - committed :]
+        hidden = None if layer is None else torch.cat([p[1] for p in parts], dim=1)[:, start - committed :]
+        yield start, logits, hidden
+        committed, start = boundary, end
+
+
+@torch.no_grad()
+def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None):
+    """``log p(tokens[:, t+1] | tokens[:, :t+1])`` for every t: ``[B, T-1]`` fp32.
+
+    With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
+    piece by piece (:func:`stream`), with the full pass's numbers.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if segment is None:
+        return -model(inputs, targets).nll
+    parts = []
+    for start, logits, _ in stream(model, inputs, segment):
+        target = targets[:, start : start + logits.shape[1]].long().clamp(max=logits.shape[-1] - 1)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                              reduction="none")
+        parts.append(-nll.reshape(target.shape))
+    return torch.cat(parts, dim=1)
+
+
+def segments(total: int, segment: int | Sequence[int]) -> list[int]:
+    """Piece lengths: ``segment`` at a time, or the given lengths (checked to sum to ``total``)."""
+    if isinstance(segment, int):
+        if segment < 1:
+            raise ValueError(f"segment must be positive, got {segment}")
+        return [min(segment, total - s) for s in range(0, total, segment)]
+    lengths = [int(n) for n in segment]
+    if sum(lengths) != total or min(lengths, default=1) < 1:
+        raise ValueError(f"segment lengths must be positive and sum to {total}, got {lengths}")
+    return lengths
