@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 
 _NAMES = {"score": "surprisal", "score_tokens": "surprisal", "Track": "surprisal",
-          "ScoreResult": "surprisal"}
+          "ScoreResult": "surprisal", "generate": "sampling", "generate_tokens": "sampling",
+          "Sample": "sampling"}
 
 
 def __getattr__(name: str):

@@ -10,6 +10,10 @@ the full pass exactly.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,10 +36,27 @@ class RMSNorm(nn.Module):
 
 
 ROW_TILE = 1024
+_untiled = threading.local()
+
+
+@contextmanager
+def untiled() -> Iterator[None]:
+    """Products on the rows given instead of whole canonical tiles, in this thread, for incremental
+    decoding: one new token then costs one row, not ``ROW_TILE``. Its numbers move by fp32
+    round-off, so a piece no longer gives the full pass's exact bits."""
+    before = getattr(_untiled, "on", False)
+    _untiled.on = True
+    try:
+        yield
+    finally:
+        _untiled.on = before
 
 
 def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows."""
+    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows (on the
+    rows as given inside :func:`untiled`)."""
+    if getattr(_untiled, "on", False):
+        return torch.matmul(x, weight.t().to(x.dtype))
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
     pad = (-M) % tile

@@ -149,6 +149,16 @@ def cmd_score(args: argparse.Namespace) -> None:
     summary.print_score(result)
 
 
+def cmd_generate(args: argparse.Namespace) -> None:
+    from megabase.infer import generate
+
+    result = generate(args.checkpoint, args.length, out=args.out, data=args.data,
+                      prompt_region=args.prompt_region, prompt_fasta=args.prompt_fasta,
+                      samples=args.samples, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed, segment=args.segment, progress=not args.quiet)
+    summary.print_generate(result)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
@@ -245,6 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="bedgraph,bigwig", help="bedgraph, bigwig or both (default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("generate", help="checkpoint + prompt -> sampled continuations (FASTA)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--length", type=_positive_int, required=True, help="bases to generate")
+    p.add_argument("--out", required=True, help="FASTA file to write")
+    p.add_argument("--data", help="token store directory (with --prompt-region)")
+    p.add_argument("--prompt-region", help="prompt: a region of the store, e.g. chr22:1-65,536")
+    p.add_argument("--prompt-fasta", help="prompt: the first record of this FASTA file")
+    p.add_argument("--samples", type=_positive_int, default=1,
+                   help="sequences to draw, seeds SEED, SEED+1, ... (default 1)")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1)")
+    p.add_argument("--top-k", type=_whole, default=0,
+                   help="sample among the k most likely bases only (default 0: all four)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--segment", type=_positive_int, default=65_536,
+                   help="prompt bases per streamed piece (default 65,536)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
     p.add_argument("kind", choices=["markov"])

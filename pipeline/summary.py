@@ -145,6 +145,24 @@ def print_score(result) -> None:
                   f"bases/s), peak memory {result.peak_rss / 2**30:.2f} GiB")
 
 
+def print_generate(result) -> None:
+    """Per sample: seed, length, GC %, mean log2 p; the prompt's GC; files; speed."""
+    console = Console()
+    table = Table(title=f"generated after {result.prompt} ({result.prompt_length:,} bases)",
+                  title_justify="left")
+    for col in ("sample", "seed", "bases", "GC %", "mean bits/base"):
+        table.add_column(col, justify="right")
+    for i, s in enumerate(result.samples):
+        table.add_row(str(i + 1), str(s.seed), f"{len(s.tokens):,}", f"{100 * s.gc:.1f}",
+                      _num(float(-s.log_probs.mean() / 0.6931471805599453)))
+    console.print(table)
+    for name, path in result.files.items():
+        console.print(f"  {name}: {path}")
+    console.print(f"{sum(len(s.tokens) for s in result.samples):,} bases in {result.seconds:.1f} s "
+                  f"({result.bases_per_s:,.1f} bases/s with the prompt's pass), peak memory "
+                  f"{result.peak_rss / 2**30:.2f} GiB")
+
+
 def print_compare(table) -> None:
     """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column; more
     than three curves (a sweep) print one row per curve instead, so that the table stays readable."""

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import torch
+
+from megabase.data.vocab import SEP
+from megabase.infer import generate_tokens
+from megabase.model import load_checkpoint, log_probs
+from megabase.pipeline.cli import main
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_checkpoint(checkpoint).eval()
+
+
+def test_log_probs_recorded_while_sampling_equal_a_teacher_forced_pass(model, bundled_store):
+    prompt = np.asarray(bundled_store.tokens("chr22")[20_000:22_500])
+    sample = generate_tokens(model, prompt, 120, seed=5, segment=1_000)
+    seq = torch.from_numpy(np.concatenate([[SEP], prompt, sample.tokens]).astype(np.int64))[None]
+    forced = log_probs(model, seq)[0, -120:].numpy()
+    assert np.abs(forced - sample.log_probs).max() <= 1e-4
+    assert set(np.unique(sample.tokens)) <= {0, 1, 2, 3} and len(np.unique(sample.tokens)) > 1
+
+
+def test_the_same_seed_gives_the_same_sequence_and_top1_is_greedy(model, bundled_store):
+    prompt = np.asarray(bundled_store.tokens("chr22")[30_000:30_700])
+    a, b = (generate_tokens(model, prompt, 40, seed=11) for _ in range(2))
+    assert np.array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, generate_tokens(model, prompt, 40, seed=12).tokens)
+    greedy = generate_tokens(model, prompt, 30, top_k=1, seed=1)
+    seq = torch.from_numpy(np.concatenate([[SEP], prompt, greedy.tokens]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(seq[:, :-1]).logits[0, -30:]
+    assert np.array_equal(logits.argmax(-1).numpy(), greedy.tokens)
+    assert np.array_equal(generate_tokens(model, prompt, 30, temperature=1e-4, seed=9).tokens,
+                          greedy.tokens)
+
+
+def test_cli_writes_fasta_from_a_region_or_a_fasta_prompt(checkpoint, bundled_store, tmp_path, capsys):
+    out = tmp_path / "gen.fa"
+    assert main(["generate", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--prompt-region", "22:1-1,000", "--length", "50", "--samples", "2",
+                 "--out", str(out), "--quiet"]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith(">sample1 seed=0 prompt=22:1-1,000") and lines[2].startswith(">sample2")
+    assert len(lines[1]) == 50 and set(lines[1]) <= set("ACGT")
+    assert "GC %" in capsys.readouterr().out
+    prompt = tmp_path / "prompt.fa"
+    prompt.write_text(">p\nACGTACGTTTGACCA\nacgtnnACG\n")
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt-fasta", str(prompt),
+                 "--length", "10", "--out", str(tmp_path / "g2.fa"), "--quiet"]) == 0
+    assert "prompt=prompt.fa:p prompt_length=24" in (tmp_path / "g2.fa").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-region", "chr22:1-100"], "needs a token store"),
+    (["--temperature", "0"], "temperature must be positive"),
+    (["--top-k", "5"], "top-k must be 0 (off) to 4"),
+    ([], "give one prompt"),
+])
+def test_bad_options_are_one_line_and_write_nothing(checkpoint, tmp_path, capsys, args, message):
+    if "--prompt-region" not in args and args:
+        args = args + ["--prompt-fasta", str(tmp_path / "p.fa")]
+        (tmp_path / "p.fa").write_text(">p\nACGT\n")
+    out = tmp_path / "g.fa"
+    assert main(["generate", "--checkpoint", str(checkpoint), "--length", "5", "--out", str(out),
+                 "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
