@@ -11,7 +11,8 @@ import importlib
 
 _NAMES = {"score": "surprisal", "score_tokens": "surprisal", "Track": "surprisal",
           "ScoreResult": "surprisal", "generate": "sampling", "generate_tokens": "sampling",
-          "Sample": "sampling"}
+          "Sample": "sampling", "embed": "embedding", "embed_tokens": "embedding",
+          "EmbedResult": "embedding"}
 
 
 def __getattr__(name: str):

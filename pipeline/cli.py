@@ -159,6 +159,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
     summary.print_generate(result)
 
 
+def cmd_embed(args: argparse.Namespace) -> None:
+    from megabase.infer import embed
+
+    regions = _csv(",".join(args.regions)) if args.regions else None
+    result = embed(args.checkpoint, args.data, windows=args.windows, regions=regions,
+                   split=args.split, layer=args.layer, per_base=args.per_base, out=args.out,
+                   segment=args.segment, progress=not args.quiet)
+    summary.print_embed(result)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
@@ -273,6 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt bases per streamed piece (default 65,536)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("embed", help="checkpoint + windows -> hidden states (datasets.Dataset, .npy)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, help="token store directory")
+    p.add_argument("--windows", help="BED of windows (4th column: split)")
+    p.add_argument("--split", help="embed only this split of the BED")
+    p.add_argument("--regions", action="append", metavar="REGIONS",
+                   help="instead of a BED: e.g. chr22:1-1,048,576 (comma-separated, repeatable)")
+    p.add_argument("--layer", type=_positive_int, help="block whose output to take (default: last)")
+    p.add_argument("--per-base", action="store_true", help="one vector per base, not the mean")
+    p.add_argument("--out", required=True, help="folder for embeddings.npy and embeddings.dataset")
+    p.add_argument("--segment", type=_positive_int, default=65_536,
+                   help="bases per streamed piece: bounds the memory (default 65,536)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
     p.add_argument("kind", choices=["markov"])

@@ -163,6 +163,19 @@ def print_generate(result) -> None:
                   f"{result.peak_rss / 2**30:.2f} GiB")
 
 
+def print_embed(result) -> None:
+    """What was embedded, the array's shape, files, time and peak memory."""
+    console = Console()
+    kind = "per base" if result.per_base else "mean-pooled per window"
+    bases = sum(w.length for w in result.windows)
+    console.print(f"embedded {len(result.windows):,} windows ({bases:,} bases), layer {result.layer}, "
+                  f"{kind}: array {tuple(result.embeddings.shape)}")
+    for name, path in result.files.items():
+        console.print(f"  {name}: {path}")
+    console.print(f"{result.seconds:.1f} s ({bases / max(result.seconds, 1e-9):,.0f} bases/s), "
+                  f"peak memory {result.peak_rss / 2**30:.2f} GiB")
+
+
 def print_compare(table) -> None:
     """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column; more
     than three curves (a sweep) print one row per curve instead, so that the table stays readable."""
