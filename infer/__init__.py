@@ -12,7 +12,8 @@ import importlib
 _NAMES = {"score": "surprisal", "score_tokens": "surprisal", "Track": "surprisal",
           "ScoreResult": "surprisal", "generate": "sampling", "generate_tokens": "sampling",
           "Sample": "sampling", "embed": "embedding", "embed_tokens": "embedding",
-          "EmbedResult": "embedding"}
+          "EmbedResult": "embedding", "score_variants": "variants", "score_tile": "variants",
+          "read_vcf": "variants"}
 
 
 def __getattr__(name: str):

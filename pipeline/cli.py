@@ -169,6 +169,15 @@ def cmd_embed(args: argparse.Namespace) -> None:
     summary.print_embed(result)
 
 
+def cmd_variants(args: argparse.Namespace) -> None:
+    from megabase.infer import score_variants
+
+    result = score_variants(args.checkpoint, args.data, args.vcf, out=args.out, window=args.window,
+                            both_strands=args.both_strands, multiallelic=args.multiallelic,
+                            progress=not args.quiet)
+    summary.print_variants(result)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
@@ -298,6 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bases per streamed piece: bounds the memory (default 65,536)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("variants", help="checkpoint + VCF -> zero-shot variant effects (TSV, VCF)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, help="token store directory")
+    p.add_argument("--vcf", required=True, help="VCF (plain or bgzip) of SNVs and short indels")
+    p.add_argument("--out", required=True, help="folder for variants.tsv and variants.vcf.gz")
+    p.add_argument("--window", type=_positive_int, default=65_536,
+                   help="bases per window; variants in one window share its reference pass "
+                   "(default 65,536)")
+    p.add_argument("--both-strands", action="store_true",
+                   help="also score the reverse complement and average the two")
+    p.add_argument("--multiallelic", choices=("split", "refuse"), default="split",
+                   help="a record with several ALT alleles: score each (default) or stop")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_variants)
 
     p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
     p.add_argument("kind", choices=["markov"])

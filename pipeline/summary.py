@@ -176,6 +176,19 @@ def print_embed(result) -> None:
                   f"peak memory {result.peak_rss / 2**30:.2f} GiB")
 
 
+def print_variants(result) -> None:
+    """How many alleles, the spread of their scores, files, time and peak memory."""
+    console = Console()
+    deltas = [v.delta for v in result.variants]
+    console.print(f"scored {len(deltas):,} variants (alleles) in {result.windows:,} windows: "
+                  f"log p(alt) - log p(ref) median {_num(sorted(deltas)[len(deltas) // 2])} nats, "
+                  f"min {_num(min(deltas))}, max {_num(max(deltas))}" if deltas else
+                  "no variants in the VCF")
+    for name, path in result.files.items():
+        console.print(f"  {name}: {path}")
+    console.print(f"{result.seconds:.1f} s, peak memory {result.peak_rss / 2**30:.2f} GiB")
+
+
 def print_compare(table) -> None:
     """A :class:`megabase.eval.compare.Comparison` as one table, gains vs the first column; more
     than three curves (a sweep) print one row per curve instead, so that the table stays readable."""

@@ -1,0 +1,225 @@
+"""``megabase variants``: zero-shot variant effects, ``log p(alt window) - log p(ref window)``.
+
+Windows are tiles of ``window`` bases of a record, aligned to its start; every variant in a tile
+shares the tile's reference pass. That pass stops at each variant's position, keeps the carried
+state there (:func:`megabase.model.fork`) and goes on, so a variant costs only the pass over the
+alternative sequence after it: ``delta = sum(log p of alt bases from the variant on) - sum(log p of
+ref bases from the variant on)``, the bases before it being the same in both (nats; negative:
+the model finds the alternative less likely). With ``both_strands`` the reverse complement of the
+tile is scored the same way and the two deltas averaged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megabase.data import InputError, TokenStore
+from megabase.data.names import resolve_name
+from megabase.data.vocab import N_BASES, RC_LUT, SEP, tokenize
+
+from .common import check_output_dir, load_model, peak_rss_bytes
+
+DEFAULT_WINDOW = 65_536
+SYMBOLIC = ("<", "[", "]", "*", ".")
+
+
+@dataclass
+class Variant:
+    """One allele of a VCF record: 0-based ``pos`` on ``chrom`` (the store's name), ``ref`` and
+    ``alt`` as token arrays, the record's ``line`` in the VCF and the allele's index (1-based)."""
+
+    chrom: str
+    pos: int
+    ref: str
+    alt: str
+    line: int
+    allele: int = 1
+    id: str = "."
+    delta_fwd: float = float("nan")
+    delta_rev: float = float("nan")
+
+    @property
+    def delta(self) -> float:
+        rev = self.delta_rev
+        return self.delta_fwd if rev != rev else (self.delta_fwd + rev) / 2
+
+
+@dataclass
+class VariantResult:
+    variants: list[Variant]
+    windows: int
+    files: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    peak_rss: int = 0
+
+
+def read_vcf(path: str | Path, store: TokenStore, multiallelic: str = "split") -> list[Variant]:
+    """The alleles of a VCF, checked against the store before anything is scored: one line naming
+    the VCF line for an unknown contig (with ``chr22``<->``22``), a REF that is not the genome's, a
+    symbolic or breakend ALT, or a multi-allelic record with ``multiallelic="refuse"``."""
+    try:
+        import pysam
+    except ImportError:
+        raise InputError("reading a VCF needs pysam (pip install pysam)") from None
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("no such VCF file", path)
+    try:
+        vcf = pysam.VariantFile(str(path))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"not a readable VCF ({exc})", path) from None
+    first = len(str(vcf.header).splitlines()) + 1
+    out = []
+    with vcf:
+        try:
+            records = list(enumerate(vcf, first))
+        except (OSError, ValueError) as exc:
+            raise InputError(f"not a readable VCF ({exc})", path) from None
+    for line, rec in records:
+        where = f"line {line} ({rec.chrom}:{rec.pos})"
+        try:
+            chrom = resolve_name(rec.chrom, store.names, str(path))
+        except InputError as exc:
+            raise InputError(f"{where}: {exc.what}", path) from None
+        alts = list(rec.alts or ())
+        if not alts:
+            raise InputError(f"{where}: no ALT allele", path)
+        if len(alts) > 1 and multiallelic == "refuse":
+            raise InputError(f"{where}: {len(alts)} ALT alleles; split the record (bcftools norm "
+                             "-m-) or score each allele ({multiallelic} split)", path,
+                             options=("multiallelic",))
+        ref = rec.ref.upper()
+        genome = store.tokens(chrom)[rec.start : rec.start + len(ref)]
+        if rec.start + len(ref) > store.length(chrom) or not np.array_equal(
+                np.asarray(genome), tokenize(ref)):
+            seen = "".join("ACGTN"[min(int(t), 4)] for t in np.asarray(genome))
+            raise InputError(f"{where}: REF {ref} does not match the genome ({seen})", path)
+        for i, alt in enumerate(alts, 1):
+            if alt.startswith(SYMBOLIC) or not set(alt.upper()) <= set("ACGTN"):
+                raise InputError(f"{where}: ALT {alt!r} is symbolic or a breakend; only "
+                                 "sequence alleles (SNVs, indels) are scored", path)
+            out.append(Variant(chrom, rec.start, ref, alt.upper(), line, i, rec.id or "."))
+    return out
+
+
+def _logp(logits: torch.Tensor, targets: np.ndarray) -> np.ndarray:
+    """Natural-log probability of each target ``[n]`` under ``logits [1, n, 4]`` (0 for non-bases:
+    they carry no information)."""
+    logp = torch.log_softmax(logits[0].float(), -1)
+    t = torch.from_numpy(targets.astype(np.int64))
+    got = logp.gather(1, t.clamp(max=N_BASES - 1)[:, None])[:, 0].double().numpy()
+    return np.where(targets < N_BASES, got, 0.0)
+
+
+@torch.no_grad()
+def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.ndarray]]) -> list[float]:
+    """``log p(alt tile) - log p(tile)`` for each edit ``(offset, ref tokens, alt tokens)`` of
+    ``tile`` (offsets within it, ``ref`` as in the tile), the tile read from a ``<sep>`` start."""
+    from megabase.model import advance, fork
+
+    seq = np.concatenate([[SEP], tile]).astype(np.int64)
+    inputs = torch.from_numpy(seq[:-1])[None]
+    order = sorted(range(len(edits)), key=lambda i: edits[i][0])
+    state, done, ref_logp = model.init_state(), 0, np.zeros(len(tile))
+    forks = {}
+    for i in order:
+        p = edits[i][0]
+        if p > done:
+            logits, _ = advance(model, inputs[:, done:p], state)
+            ref_logp[done:p] = _logp(logits, tile[done:p])
+            done = p
+        forks[i] = fork(state)
+    if done < len(tile):
+        logits, _ = advance(model, inputs[:, done:], state)
+        ref_logp[done:] = _logp(logits, tile[done:])
+    suffix = np.concatenate([np.cumsum(ref_logp[::-1])[::-1], [0.0]])
+    deltas = [0.0] * len(edits)
+    for i in order:
+        p, ref, alt = edits[i]
+        rest = np.concatenate([alt, tile[p + len(ref) :]])
+        alt_inputs = np.concatenate([[seq[p]], rest[:-1]]).astype(np.int64)
+        logits, _ = advance(model, torch.from_numpy(alt_inputs)[None], forks.pop(i))
+        deltas[i] = float(_logp(logits, rest).sum() - suffix[p])
+    return deltas
+
+
+def _rc(tokens: np.ndarray) -> np.ndarray:
+    return RC_LUT[tokens][::-1].copy()
+
+
+def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
+                   out: str | Path | None = None, window: int = DEFAULT_WINDOW,
+                   both_strands: bool = False, multiallelic: str = "split",
+                   progress: bool = True) -> VariantResult:
+    """Score every allele of ``vcf`` against the store ``data`` (see the module). With ``out`` (a
+    folder) writes ``variants.tsv`` and ``variants.vcf.gz`` (INFO ``MB_LLR``, one value per ALT).
+    ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record."""
+    from tqdm.auto import tqdm
+
+    if window < 16:
+        raise InputError("{window} must be at least 16 bases", options=("window",))
+    if multiallelic not in ("split", "refuse"):
+        raise InputError("{multiallelic} must be split or refuse", options=("multiallelic",))
+    started = time.perf_counter()
+    store = TokenStore(data)
+    variants = read_vcf(vcf, store, multiallelic)
+    if out is not None:
+        out = check_output_dir(Path(out))
+    model = load_model(checkpoint)
+    tiles: dict[tuple[str, int], list[Variant]] = {}
+    for v in variants:
+        tiles.setdefault((v.chrom, v.pos // window), []).append(v)
+    with tqdm(total=len(variants), unit="variant", disable=not progress, desc="variants") as bar:
+        for (chrom, k), members in tiles.items():
+            lo = k * window
+            hi = max(min(lo + window, store.length(chrom)), *(v.pos + len(v.ref) for v in members))
+            tile = np.asarray(store.tokens(chrom)[lo:hi])
+            edits = [(v.pos - lo, tokenize(v.ref), tokenize(v.alt)) for v in members]
+            for v, d in zip(members, score_tile(model, tile, edits)):
+                v.delta_fwd = d
+            if both_strands:
+                rc = [(len(tile) - p - len(r), _rc(r), _rc(a)) for p, r, a in edits]
+                for v, d in zip(members, score_tile(model, _rc(tile), rc)):
+                    v.delta_rev = d
+            bar.update(len(members))
+    result = VariantResult(variants, len(tiles))
+    if out is not None:
+        result.files = _write(out, vcf, variants, window, both_strands)
+    result.seconds, result.peak_rss = time.perf_counter() - started, peak_rss_bytes()
+    return result
+
+
+def _write(out: Path, vcf: str | Path, variants: list[Variant], window: int,
+           both_strands: bool) -> dict[str, str]:
+    import pysam
+
+    from megabase.data.atomic import write_atomic, writing
+
+    rows = ["#chrom\tpos\tid\tref\talt\tvcf_line\tllr_fwd\tllr_rev\tllr"]
+    for v in variants:
+        rows.append(f"{v.chrom}\t{v.pos + 1}\t{v.id}\t{v.ref}\t{v.alt}\t{v.line}\t"
+                    f"{v.delta_fwd:.6g}\t{v.delta_rev:.6g}\t{v.delta:.6g}")
+    tsv = write_atomic(out / "variants.tsv", ("\n".join(rows) + "\n").encode())
+    by_line: dict[int, list[float]] = {}
+    for v in variants:
+        by_line.setdefault(v.line, []).append(v.delta)
+    with pysam.VariantFile(str(vcf)) as src:
+        header = src.header.copy()
+        strands = "both strands averaged" if both_strands else "forward strand"
+        header.add_meta("INFO", items=[
+            ("ID", "MB_LLR"), ("Number", "A"), ("Type", "Float"),
+            ("Description", f"megabase: log p(alt window) - log p(ref window), nats, {window:,}-base "
+                            f"windows, {strands}")])
+        first = len(str(src.header).splitlines()) + 1
+        with writing(out / "variants.vcf.gz") as tmp:
+            with pysam.VariantFile(str(tmp), "wz", header=header) as dst:
+                for line, rec in enumerate(src, first):
+                    rec.translate(header)
+                    rec.info["MB_LLR"] = [round(x, 6) for x in by_line[line]]
+                    dst.write(rec)
+    return {"tsv": str(tsv), "vcf": str(out / "variants.vcf.gz")}
