@@ -53,10 +53,15 @@ def resolve_regions(store: TokenStore, specs: list[str]) -> list[Interval]:
 
 
 def load_model(checkpoint: str | Path):
-    """The checkpoint's model in eval mode (one line naming the file if it is damaged)."""
+    """The checkpoint's model in eval mode (one line naming the file if it is damaged). A run's
+    folder (``work/runs/demo``) means its latest checkpoint."""
     from megabase.model import load_checkpoint
+    from megabase.pipeline.checkpointing import latest_checkpoint
 
-    return load_checkpoint(checkpoint).eval()
+    path = Path(checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = latest_checkpoint(path) or path
+    return load_checkpoint(path).eval()
 
 
 def check_output_dir(out: Path) -> Path:

@@ -93,3 +93,19 @@ def tracked(bundled_store, tmp_path_factory):
                  "--out", str(root / "markov"), *common]) == 0
     reports = {n: json.loads((root / n / "report.json").read_text()) for n in ("model", "markov")}
     return {"root": root, "uri": uri, "ckpt": ckpt, "reports": reports}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """A debug-preset checkpoint whose outputs depend on the sequence (the zero-started head and
+    k-mer tables drawn at random), for the tests of megabase.infer and its notebook."""
+    import torch
+
+    from megabase.model import build_model, save_checkpoint
+
+    torch.manual_seed(0)
+    model = build_model("debug")
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.5)
+        model.kmers.table.normal_(0, 0.3)
+    return save_checkpoint(model, tmp_path_factory.mktemp("infer") / "ckpt")
