@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("score", help="checkpoint + regions -> per-base surprisal tracks "
                        "(bedGraph, bigWig)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    _checkpoint_flag(p)
     p.add_argument("--data", required=True, help="token store directory")
     p.add_argument("--regions", action="append", required=True, metavar="REGIONS",
                    help="e.g. chr22 or chr22:1-1,048,576 (comma-separated, repeatable)")
@@ -269,14 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the entropy of each predicted distribution (entropy.*)")
     p.add_argument("--context", type=_whole, default=0,
                    help="bases before each region read as context, not scored (default 0)")
-    p.add_argument("--segment", type=_positive_int, default=65_536,
-                   help="bases per streamed piece: bounds the memory (default 65,536)")
+    _segment_flag(p, "bases per streamed piece: bounds the memory")
     p.add_argument("--format", default="bedgraph,bigwig", help="bedgraph, bigwig or both (default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("generate", help="checkpoint + prompt -> sampled continuations (FASTA)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    _checkpoint_flag(p)
     p.add_argument("--length", type=_positive_int, required=True, help="bases to generate")
     p.add_argument("--out", required=True, help="FASTA file to write")
     p.add_argument("--data", help="token store directory (with --prompt-region)")
@@ -288,13 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_whole, default=0,
                    help="sample among the k most likely bases only (default 0: all four)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--segment", type=_positive_int, default=65_536,
-                   help="prompt bases per streamed piece (default 65,536)")
+    _segment_flag(p, "prompt bases per streamed piece")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("embed", help="checkpoint + windows -> hidden states (datasets.Dataset, .npy)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    _checkpoint_flag(p)
     p.add_argument("--data", required=True, help="token store directory")
     p.add_argument("--windows", help="BED of windows (4th column: split)")
     p.add_argument("--split", help="embed only this split of the BED")
@@ -303,13 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=_positive_int, help="block whose output to take (default: last)")
     p.add_argument("--per-base", action="store_true", help="one vector per base, not the mean")
     p.add_argument("--out", required=True, help="folder for embeddings.npy and embeddings.dataset")
-    p.add_argument("--segment", type=_positive_int, default=65_536,
-                   help="bases per streamed piece: bounds the memory (default 65,536)")
+    _segment_flag(p, "bases per streamed piece: bounds the memory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("variants", help="checkpoint + VCF -> zero-shot variant effects (TSV, VCF)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    _checkpoint_flag(p)
     p.add_argument("--data", required=True, help="token store directory")
     p.add_argument("--vcf", required=True, help="VCF (plain or bgzip) of SNVs and short indels")
     p.add_argument("--out", required=True, help="folder for variants.tsv and variants.vcf.gz")
@@ -368,6 +365,15 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config key, e.g. train.steps=10 or model.preset=debug")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _checkpoint_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run folder (its latest checkpoint)")
+
+
+def _segment_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--segment", type=_positive_int, default=65_536, help=f"{what} (default 65,536)")
 
 
 def _tracking_flags(p: argparse.ArgumentParser) -> None:
