@@ -1,9 +1,9 @@
 """``megabase variants``: zero-shot variant effects, ``log p(alt window) - log p(ref window)``.
 
 Windows are tiles of ``window`` bases of a record, aligned to its start; every variant in a tile
-shares the tile's reference pass. That pass stops at each variant's position, keeps the carried
-state there (:func:`megabase.model.fork`) and goes on, so a variant costs only the pass over the
-alternative sequence after it: ``delta = sum(log p of alt bases from the variant on) - sum(log p of
+shares the tile's reference pass. That pass stops at each variant's position, scores the
+alternative from a copy of the carried state there (:func:`megabase.model.fork`) and goes on, so a
+variant costs only the pass over the alternative sequence after it: ``delta = sum(log p of alt bases from the variant on) - sum(log p of
 ref bases from the variant on)``, the bases before it being the same in both (nats; negative:
 the model finds the alternative less likely). With ``both_strands`` the reverse complement of the
 tile is scored the same way and the two deltas averaged.
@@ -119,33 +119,32 @@ def _logp(logits: torch.Tensor, targets: np.ndarray) -> np.ndarray:
 @torch.no_grad()
 def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.ndarray]]) -> list[float]:
     """``log p(alt tile) - log p(tile)`` for each edit ``(offset, ref tokens, alt tokens)`` of
-    ``tile`` (offsets within it, ``ref`` as in the tile), the tile read from a ``<sep>`` start."""
+    ``tile`` (offsets within it, ``ref`` as in the tile), the tile read from a ``<sep>`` start.
+
+    Each alternative is scored as soon as the reference pass reaches it, from a fork of the
+    state there, and only its sum is kept: a fork holds the DSA caches up to its position, so
+    keeping them all until the reference pass ends would take memory in variants x window."""
     from megabase.model import advance, fork
 
     seq = np.concatenate([[SEP], tile]).astype(np.int64)
     inputs = torch.from_numpy(seq[:-1])[None]
-    order = sorted(range(len(edits)), key=lambda i: edits[i][0])
     state, done, ref_logp = model.init_state(), 0, np.zeros(len(tile))
-    forks = {}
-    for i in order:
-        p = edits[i][0]
+    alt_sums = [0.0] * len(edits)
+    for i in sorted(range(len(edits)), key=lambda i: edits[i][0]):
+        p, ref, alt = edits[i]
         if p > done:
             logits, _ = advance(model, inputs[:, done:p], state)
             ref_logp[done:p] = _logp(logits, tile[done:p])
             done = p
-        forks[i] = fork(state)
+        rest = np.concatenate([alt, tile[p + len(ref) :]])
+        alt_inputs = np.concatenate([[seq[p]], rest[:-1]]).astype(np.int64)
+        logits, _ = advance(model, torch.from_numpy(alt_inputs)[None], fork(state))
+        alt_sums[i] = float(_logp(logits, rest).sum())
     if done < len(tile):
         logits, _ = advance(model, inputs[:, done:], state)
         ref_logp[done:] = _logp(logits, tile[done:])
     suffix = np.concatenate([np.cumsum(ref_logp[::-1])[::-1], [0.0]])
-    deltas = [0.0] * len(edits)
-    for i in order:
-        p, ref, alt = edits[i]
-        rest = np.concatenate([alt, tile[p + len(ref) :]])
-        alt_inputs = np.concatenate([[seq[p]], rest[:-1]]).astype(np.int64)
-        logits, _ = advance(model, torch.from_numpy(alt_inputs)[None], forks.pop(i))
-        deltas[i] = float(_logp(logits, rest).sum() - suffix[p])
-    return deltas
+    return [alt_sums[i] - float(suffix[edits[i][0]]) for i in range(len(edits))]
 
 
 def _rc(tokens: np.ndarray) -> np.ndarray:
