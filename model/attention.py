@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import extend
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
 
@@ -50,9 +51,7 @@ class AttentionLayer(nn.Module):
         q = rotate(q, offset, self.cfg.rope_base)
         k = rotate(self.k_norm(k), offset, self.cfg.rope_base)
         if state is not None:
-            if offset:
-                k, v = torch.cat([state["k"], k], dim=1), torch.cat([state["v"], v], dim=1)
-            state["k"], state["v"] = k, v
+            k, v = extend(state, "k", k), extend(state, "v", v)
         rep = self.HQ // self.H
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2),
                                                  v.repeat_interleave(rep, 2)))

@@ -18,6 +18,7 @@ from megabase.kernels.dsa import (
 
 from megabase.data.vocab import PAD
 
+from .cache import extend
 from .config import ModelConfig
 from .layers import Linear, RMSNorm
 from .sequence import ONE_PROCESS
@@ -88,11 +89,9 @@ class DSALayer(nn.Module):
         if state is not None and self.kmer is not None:
             state["ids"] = self.kmer.tail(ids, state.get("ids"))
         offset = seq.offset(T)
-        if state is not None and "k" in state:
-            offset = state["k"].shape[1]
-            k, v, ki = (torch.cat([state[n], t], dim=1) for n, t in (("k", k), ("v", v), ("ki", ki)))
         if state is not None:
-            state["k"], state["v"], state["ki"] = k, v, ki
+            offset = state["k"].shape[1] if "k" in state else offset
+            k, v, ki = (extend(state, n, t) for n, t in (("k", k), ("v", v), ("ki", ki)))
         if (self.cfg.indexer_mode == "dense" or self.dense_warmup) and state is None:
             o, aux = self.attend_dense(q, k, v, qi, ki, wi)
         else:
