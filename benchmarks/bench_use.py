@@ -167,8 +167,9 @@ def bench_samples(checkpoint: str, data: str, region: str, length: int, prompt_l
     start = real[len(real) // 2 - prompt_length]  # a prompt from the middle of the region
     prompt = held[start : start + prompt_length]
     after = held[start + prompt_length :]
-    continuation = after[after < 4][:length]
-    pool = np.concatenate([held[:start], after[len(continuation) :]])  # the rest of the region
+    end = np.flatnonzero(after < 4)[length - 1] + 1  # the continuation's extent, N included
+    continuation = after[:end][after[:end] < 4]
+    pool = np.concatenate([held[:start], after[end:]])  # the rest of the region
     pool_spectrum = kmer_spectrum(pool)
     composition = np.bincount(pool[pool < 4], minlength=4) / (pool < 4).sum()
     iid = np.random.default_rng(seed).choice(4, length, p=composition).astype(np.uint8)

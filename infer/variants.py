@@ -3,9 +3,9 @@
 Windows are tiles of ``window`` bases of a record, aligned to its start; every variant in a tile
 shares the tile's reference pass. That pass stops at each variant's position, scores the
 alternative from a copy of the carried state there (:func:`megabase.model.fork`) and goes on, so a
-variant costs only the pass over the alternative sequence after it: ``delta = sum(log p of alt bases from the variant on) - sum(log p of
-ref bases from the variant on)``, the bases before it being the same in both (nats; negative:
-the model finds the alternative less likely). With ``both_strands`` the reverse complement of the
+variant costs only the pass over the alternative sequence after it: ``delta = sum(log p of alt
+bases from the variant on) - sum(log p of ref bases from the variant on)``, the bases before it
+being the same in both (nats; negative: the model finds the alternative less likely). With ``both_strands`` the reverse complement of the
 tile is scored the same way and the two deltas averaged.
 """
 
