@@ -1,15 +1,13 @@
 """Using a trained model at length, each figure a ratio against a baseline measured in the same run.
 
-    python benchmarks/bench_use.py [--only score,embed,generate,variants,samples] [--preset cpu-small]
+    python benchmarks/bench_use.py [--only embed,generate,variants,samples] [--preset cpu-small]
         [--checkpoint RUN --data STORE --region REGION]
+
+(Scoring at a megabase, its time per base and memory: ``benchmarks/bench_stage.py --only score``.)
 
 On real bases of the bundled genome's chr22 (tiled where a length exceeds it), with a freshly
 initialised model of ``--preset`` (speed and memory do not depend on the weights):
 
-- score: peak RSS of scoring ``--score-length`` bases (default 1,048,576) streamed in 65,536-base
-  pieces vs 65,536 bases (each in a fresh process): how far memory stays bounded by the piece (the
-  DSA key caches grow with the sequence). The DSA indexer is O(T^2): on 2 cores 1,048,576 bases
-  take ~100 minutes with cpu-small, so ``--only score --preset debug`` is the quick form.
 - embed: peak RSS of a mean-pooled embedding of 262,144 bases, streamed (65,536-base pieces) vs one
   full pass, each in a fresh process.
 - generate: seconds per new base after a 65,536-base prompt, incremental (one step through the
@@ -71,7 +69,7 @@ def child(kind: str, n: int, preset: str, variants: int = 0) -> None:
     """One measurement in this fresh process; prints a JSON line."""
     import resource
 
-    from megabase.infer import embed_tokens, score_tokens
+    from megabase.infer import embed_tokens
 
     if kind == "variants":
         r = bench_variants(preset, variants, n)
@@ -80,9 +78,7 @@ def child(kind: str, n: int, preset: str, variants: int = 0) -> None:
         return
     model, tokens = model_of(preset), bases(n)
     start = time.perf_counter()
-    if kind == "score":
-        score_tokens(model, tokens, segment=65_536)
-    elif kind == "embed-stream":
+    if kind == "embed-stream":
         embed_tokens(model, tokens, segment=65_536)
     elif kind == "embed-full":
         embed_tokens(model, tokens, segment=n + 1)
@@ -190,9 +186,8 @@ def bench_samples(checkpoint: str, data: str, region: str, length: int, prompt_l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--only", default="score,embed,generate,variants,samples")
+    parser.add_argument("--only", default="embed,generate,variants,samples")
     parser.add_argument("--preset", default="cpu-small")
-    parser.add_argument("--score-length", type=int, default=1_048_576)
     parser.add_argument("--variants", type=int, default=100)
     parser.add_argument("--window", type=int, default=16_384,
                         help="variants benchmark window (the issue's 65,536 x 1,000 SNVs takes hours "
@@ -215,12 +210,6 @@ def main() -> None:
         only.discard("samples")
     print(f"machine: {machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"preset {args.preset}", flush=True)
-    if "score" in only:
-        small, big = (run_child("score", n, args.preset) for n in (65_536, args.score_length))
-        print(f"score, peak RSS: {args.score_length:,} bases {big['peak'] / 2**30:.2f} GiB "
-              f"({big['seconds']:.0f} s), 65,536 bases {small['peak'] / 2**30:.2f} GiB "
-              f"({small['seconds']:.0f} s) -> ratio {big['peak'] / small['peak']:.2f}x for "
-              f"{args.score_length / 65_536:.0f}x the bases", flush=True)
     if "embed" in only:
         stream, full = (run_child(k, 262_144, args.preset) for k in ("embed-stream", "embed-full"))
         print(f"embed 262,144 bases, peak RSS: streamed {stream['peak'] / 2**30:.2f} GiB, one full "

@@ -33,13 +33,18 @@ class EvalConfig:
         "context limits of the truncation control"))
     probe: bool = field(default=True, metadata=_help("the in-context recall probe"))
     probe_windows: int = field(default=32, metadata=_help("recall-probe windows per distance"))
+    probe_pairs: int = field(default=1, metadata=_help(
+        "copies per recall-probe window (more: fewer long windows to score for as many copies)"))
+    probe_distances: list[int] = field(default_factory=list, metadata=_help(
+        "recall-probe distances, e.g. 65536,262144,1000000; empty: 1k, 4k, 16k, ... up to the "
+        "window length"))
     baselines: list[int] = field(default_factory=lambda: [0, 4], metadata=_help(
         "Markov orders scored on the same windows (fitted on the training regions)"))
     train: list[str] = field(default_factory=list, metadata=_help(
         "records/regions the Markov baselines are fitted on; empty: the checkpoint's run's "
         "(a run: data.train)"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
-    segment: int = field(default=65536, metadata=_help(
+    segment: int = field(default=16384, metadata=_help(
         "windows longer than this many bases are streamed in pieces of it"))
     seed: int = field(default=0, metadata=_help("seed of the bootstrap and the probe"))
 
@@ -64,7 +69,11 @@ class EvalConfig:
             if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_ORDER:
                 raise InputError(f"{{baselines}} must be Markov orders 0..{MAX_ORDER}, got {k}",
                                  options=("baselines",))
-        for name in ("probe_windows", "bootstrap", "segment", "length"):
+        for d in self.probe_distances:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+                raise InputError(f"{{probe_distances}} must be positive distances, got {d}",
+                                 options=("probe_distances",))
+        for name in ("probe_windows", "probe_pairs", "bootstrap", "segment", "length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):

@@ -128,8 +128,9 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
                                    "bits_per_base": report["baselines"][best]["overall"]["bits_per_base"]}
     if o.probe:
         held_out = np.concatenate(region_tokens(store, regions))
-        report["probe"] = recall_probe(scorer, held_out, probe_distances(longest, 200),
-                                       n_per_distance=o.probe_windows, seed=seed, n_boot=n_boot)
+        distances = list(o.probe_distances) or probe_distances(longest, 200)
+        report["probe"] = recall_probe(scorer, held_out, distances, n_per_distance=o.probe_windows,
+                                       seed=seed, n_boot=n_boot, pairs=o.probe_pairs)
     report["seconds"] = time.perf_counter() - started
     return _finish(report, out, tracking)
 

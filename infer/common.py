@@ -15,7 +15,9 @@ from megabase.data import InputError, TokenStore
 from megabase.data.names import parse_region
 
 LN2 = float(np.log(2.0))
-DEFAULT_SEGMENT = 65_536  # bases per streamed piece: memory is bounded by this, not by the region
+# bases per streamed piece: memory is bounded by this, not by the region; pieces of 16,384 ran
+# 1.65x faster than 65,536 on 2 cores (the activations of a piece stay in cache), same numbers
+DEFAULT_SEGMENT = 16_384
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,9 @@ def load_model(checkpoint: str | Path):
     """The checkpoint's model in eval mode (one line naming the file if it is damaged). A run's
     folder (``work/runs/demo``) means its latest checkpoint."""
     from megabase.model import load_checkpoint
-    from megabase.pipeline.checkpointing import latest_checkpoint
+    from megabase.pipeline.checkpointing import resolve_checkpoint
 
-    path = Path(checkpoint)
-    if (path / "checkpoints").is_dir():
-        path = latest_checkpoint(path) or path
-    return load_checkpoint(path).eval()
+    return load_checkpoint(resolve_checkpoint(checkpoint)).eval()
 
 
 def check_output_dir(out: Path) -> Path:

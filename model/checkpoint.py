@@ -19,7 +19,7 @@ from megabase.data.atomic import building_dir, file_sha256
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
-from .config import RUNTIME_FIELDS, ModelConfig
+from .config import RUNTIME_FIELDS, STAGE_FIELDS, ModelConfig
 from .lm import HybridLM
 
 FORMAT = "megabase-checkpoint"
@@ -79,12 +79,16 @@ def read_checkpoint_config(path: str | Path) -> dict:
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runtime) -> HybridLM:
     """The model saved at ``path``, in eval mode, on ``device``; ``runtime``: kernels and chunk
     sizes for this machine (``RUNTIME_FIELDS``, default ``auto`` / the ModelConfig defaults;
-    older checkpoints that recorded them have them ignored)."""
+    older checkpoints that recorded them have them ignored), and the DSA indexer's candidate
+    stage (``STAGE_FIELDS``: the checkpoint's own unless given; a checkpoint from before the
+    stage existed gets the ModelConfig defaults, which select as it did up to
+    ``dsa_stage_from``)."""
     from safetensors.torch import load_file
 
-    unknown = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    allowed = RUNTIME_FIELDS + STAGE_FIELDS
+    unknown = sorted(set(runtime) - set(allowed))
     if unknown:
-        raise ValueError(f"{unknown[0]!r} is not a runtime choice; choose from {', '.join(RUNTIME_FIELDS)}")
+        raise ValueError(f"{unknown[0]!r} is not a runtime choice; choose from {', '.join(allowed)}")
     config = read_checkpoint_config(path)
     verify_checkpoint(path)
     fields = {k: v for k, v in config["model"].items() if k not in RUNTIME_FIELDS}

@@ -11,6 +11,11 @@ from megabase.data.vocab import VOCAB_SIZE
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
 RUNTIME_FIELDS = ("kda_backend", "dsa_backend", "moe_chunk", "loss_chunk", "dsa_block")
+# How the DSA indexer chooses its candidates (megabase.kernels.dsa.candidates): saved with the
+# model, and a loader may choose otherwise (the exact scan as the reference, or another stage).
+STAGE_FIELDS = ("dsa_stage", "dsa_stage_from", "dsa_stage_block", "dsa_stage_blocks",
+                "dsa_stage_local", "dsa_stage_seed", "dsa_stage_seed_cap", "dsa_stage_carry")
+STAGES = ("exact", "mean", "max")
 
 
 @dataclass
@@ -48,6 +53,18 @@ class ModelConfig:
     dsa_kmer: int = 0  # DSA queries/keys/indexer also hash the last dsa_kmer tokens (0: none)
     rope_base: float = 500000.0  # rotary base of the attention mixer (DSA layers use no positions)
     indexer_mode: str = "sparse"
+    # The indexer's candidate stage: from position dsa_stage_from on, a query scores only the
+    # local window (>= dsa_stage_local latest keys), the dsa_stage_blocks best blocks of
+    # dsa_stage_block keys by their summary (mean: HISA; max: Quest bounds) and the keys after
+    # earlier copies of its last dsa_stage_seed bases; exact: every earlier key (the reference)
+    dsa_stage: str = "max"
+    dsa_stage_from: int = 65536
+    dsa_stage_block: int = 128
+    dsa_stage_blocks: int = 64
+    dsa_stage_local: int = 1024
+    dsa_stage_seed: int = 16
+    dsa_stage_seed_cap: int = 16
+    dsa_stage_carry: int = 32
     indexer_loss_weight: float = 0.01
     # Mixture of Experts
     n_experts: int = 4
@@ -74,13 +91,15 @@ class ModelConfig:
         positive = ["d_model", "n_layers", "vocab_size", "kda_heads", "kda_head_dim", "kda_conv",
                     "kda_gate_rank", "dsa_heads", "dsa_kv_heads", "dsa_head_dim", "index_heads",
                     "index_dim", "topk", "n_experts", "experts_per_token", "expert_dim",
-                    "moe_chunk", "loss_chunk", "dsa_block", "dense_dim"]
+                    "moe_chunk", "loss_chunk", "dsa_block", "dense_dim", "dsa_stage_block",
+                    "dsa_stage_blocks", "dsa_stage_local"]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_kmer",
-                     "kmer_embed"):
+                     "kmer_embed", "dsa_stage_from", "dsa_stage_seed", "dsa_stage_seed_cap",
+                     "dsa_stage_carry"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.kmer_embed == 1 or self.kmer_embed > 10:
@@ -108,12 +127,33 @@ class ModelConfig:
         from megabase.kernels.kda import BACKENDS as KDA_BACKENDS
 
         choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": KDA_BACKENDS,
+                   "dsa_stage": STAGES,
                    "dsa_backend": DSA_BACKENDS,
                    "bias_update": ("quantile", "sign", "proportional"), "mixer": ("hybrid", "attention")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"model.{name} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
+
+        if self.dsa_stage != "exact":
+            try:
+                self.stage()
+            except ValueError as exc:
+                raise InputError(f"model.dsa_stage_*: {exc}") from None
+            if self.keep_recent > self.dsa_stage_local:
+                raise InputError(f"model.keep_recent ({self.keep_recent}) must not exceed "
+                                 f"model.dsa_stage_local ({self.dsa_stage_local})")
+
+    def stage(self):
+        """The DSA indexer's candidate stage (:class:`megabase.kernels.dsa.Stage`), or None for
+        the exact scan."""
+        if self.dsa_stage == "exact":
+            return None
+        from megabase.kernels.dsa.candidates import Stage
+
+        return Stage(self.dsa_stage, self.dsa_stage_from, self.dsa_stage_block,
+                     self.dsa_stage_blocks, self.dsa_stage_local, self.dsa_stage_seed,
+                     self.dsa_stage_seed_cap, self.dsa_stage_carry)
 
     def is_dsa(self, layer: int) -> bool:
         return self.mixer == "hybrid" and self.dsa_period > 0 and \

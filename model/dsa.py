@@ -67,15 +67,18 @@ class DSALayer(nn.Module):
                                  key=self.H * self.D + cfg.index_dim)
             self.wi_bias = nn.Parameter(torch.ones(cfg.index_heads))
             self.init_copying()
+        self.stage = cfg.stage()  # the indexer's candidate stage, or None: the exact scan
         self.dense_warmup = False  # set by the trainer: dense attention whatever indexer_mode says
         self.indexer_kl: torch.Tensor | None = None  # the last training forward's KL (for the log)
         self.capture: SelectionCapture | None = None  # set by capture_selections (diagnostics)
         self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None,
-                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, state: dict | None = None, ids: torch.Tensor | None = None,
+                seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(y, aux_loss)``; with ``state`` it attends over cached keys and extends the
-        cache. ``ids [B, T]``: the tokens at these positions (needed with ``dsa_kmer``)."""
+        cache. ``ids [B, T]``: the tokens at these positions (needed with ``dsa_kmer``);
+        ``seeds [B, T, S]``: the candidate stage's seed keys of these queries
+        (:func:`megabase.kernels.dsa.seed_keys`, computed once per pass by the LM)."""
         B, T, _ = x.shape
         seq = self.sequence
         if state is not None:
@@ -96,7 +99,7 @@ class DSALayer(nn.Module):
             o, aux = self.attend_dense(q, k, v, qi, ki, wi)
         else:
             k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
-            o, aux = self.attend(q, k, v, qi, ki, wi, offset)
+            o, aux = self.attend(q, k, v, qi, ki, wi, offset, seeds)
         # the indexer KL is a mean over queries: each shard holds 1 / size of them
         return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux / seq.size
 
@@ -145,12 +148,14 @@ class DSALayer(nn.Module):
     def _train_indexer(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def attend(self, q, k, v, qi, ki, wi, offset: int = 0):
+    def attend(self, q, k, v, qi, ki, wi, offset: int = 0, seeds: torch.Tensor | None = None):
         """Sparse attention of queries at positions ``offset..offset+Tq`` over keys ``0..Tk``:
         ``(o [B, Tq, HQ, D], indexer_loss_weight * KL averaged over the queries, or 0)``."""
         cfg = self.cfg
         backend = cfg.dsa_backend
-        idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset, backend)
+        stage = None if self.stage is None else self.stage.encode()
+        idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset, backend,
+                             stage, seeds)
         if self.capture is not None:
             self.capture.add(idx, offset)
         if not self._train_indexer():

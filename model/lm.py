@@ -15,8 +15,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megabase.data.vocab import N_BASES
+from megabase.kernels.dsa import seed_keys
 
 from .attention import AttentionLayer
+from .cache import extend
 from .config import ModelConfig
 from .dsa import DSALayer
 from .kda import KDALayer
@@ -37,9 +39,10 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.is_moe(index) else SwiGLU(cfg.d_model, cfg.dense_dim)
         self.n_experts = cfg.n_experts
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, ids: torch.Tensor | None = None,
+                seeds: torch.Tensor | None = None):
         if self.kind == "dsa":
-            h, aux = self.mixer(self.norm1(x), state, ids)
+            h, aux = self.mixer(self.norm1(x), state, ids, seeds)
         else:
             h, aux = self.mixer(self.norm1(x), state)
         x = x + h
@@ -108,6 +111,23 @@ class HybridLM(nn.Module):
             state["ids"] = self.kmers.tail(input_ids, tail)
         return x + self.kmers(input_ids, tail).to(x.dtype)
 
+    def seed_keys(self, input_ids: torch.Tensor, state: dict | None = None):
+        """The DSA candidate stage's seeds of these queries ``[B, T, S]``, shared by every DSA
+        layer (None where no query reaches the stage). They read every token before a query: a
+        streamed sequence keeps its tokens in ``state``, a sharded one gathers them."""
+        stage = self.cfg.stage()
+        if stage is None or not stage.seed or "D" not in self.cfg.layer_kinds:
+            return None
+        T = input_ids.shape[1]
+        if state is None:
+            offset, tokens = self.sequence.offset(T), self.sequence.prefix_tokens(input_ids)
+        else:
+            offset = 0 if "tokens" not in state else state["tokens"].shape[1]
+            tokens = extend(state, "tokens", input_ids.to(torch.uint8))
+        if offset + T <= stage.first_staged():
+            return None
+        return seed_keys(tokens, offset, stage)
+
     def set_sequence(self, sequence) -> "HybridLM":
         """Run the layers on ``sequence``: :data:`~megabase.model.sequence.ONE_PROCESS` or a
         context group (every module with a ``sequence`` attribute gets it)."""
@@ -131,10 +151,11 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids, targets=None, loss_mask=None, state: list[dict] | None = None):
         x = self.embed_tokens(input_ids, None if state is None else state[-1])
+        seeds = self.seed_keys(input_ids, None if state is None else state[-1])
         aux = x.new_zeros((), dtype=torch.float)
         loads = []
         for i, block in enumerate(self.blocks):
-            x, block_aux, load = block(x, None if state is None else state[i], input_ids)
+            x, block_aux, load = block(x, None if state is None else state[i], input_ids, seeds)
             aux = aux + block_aux
             if isinstance(block.ffn, MoE):
                 loads.append(load)

@@ -6,7 +6,8 @@ border, and each layer calls them on its ``sequence`` attribute:
 * ``before(x, n)``: the ``n`` rows just before this shard (the short conv's and the k-mer hashes'
   inputs); ``None`` at the start of the sequence, where the layer pads.
 * ``prefix(*xs)``: keys of every shard up to and including this one (the DSA layer's keys and
-  values), with ``offset``, the position of this shard's first row.
+  values), with ``offset``, the position of this shard's first row; ``prefix_tokens(ids)`` the
+  same for tokens (the DSA candidate stage's seeds read them).
 * ``kda(...)``: the KDA op over the whole sequence.
 * ``total(x)``: a count summed over the shards (the MoE sequence-wise balance loss), and ``size``,
   the number of shards.
@@ -36,6 +37,10 @@ class OneProcess:
         """Each ``x [B, T, ...]`` extended by the rows of the shards before it: ``[B, offset + T,
         ...]``. Here the shard is the sequence."""
         return xs
+
+    def prefix_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T]`` of this shard preceded by those of every shard before it."""
+        return ids
 
     def offset(self, length: int) -> int:
         """Position of this shard's first row, for shards of ``length`` rows."""

@@ -79,6 +79,14 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
                   key=checkpoint_step)
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder as given, or a run folder's latest checkpoint."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return latest_checkpoint(path) or path
+    return path
+
+
 def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names, or None for a run with no checkpoints.
 

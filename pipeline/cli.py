@@ -373,7 +373,10 @@ def _checkpoint_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _segment_flag(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--segment", type=_positive_int, default=65_536, help=f"{what} (default 65,536)")
+    from megabase.infer.common import DEFAULT_SEGMENT
+
+    p.add_argument("--segment", type=_positive_int, default=DEFAULT_SEGMENT,
+                   help=f"{what} (default {DEFAULT_SEGMENT:,})")
 
 
 def _tracking_flags(p: argparse.ArgumentParser) -> None:

@@ -74,6 +74,9 @@ class TrainConfig:
     seq_warmup_start: int = 2048
     seq_warmup_steps: int = 40  # optimizer steps per length
     indexer_warmup_steps: int = 0  # first steps with dense DSA attention, the indexer fitted to it
+    # fine-tuning: start from this checkpoint's weights and model (model.overrides may then set
+    # only the kernels and the DSA candidate stage); a fresh optimizer and schedule
+    init_from: str | None = None
     recompute: str = "none"
     offload: bool = False
     trim_heap: bool = False  # CPU: return freed heap to the OS between blocks (lower peak RSS)
@@ -296,6 +299,7 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
         raise InputError(exc.named(lambda name: f"eval.{name}"), source) from None
     _check_parallel(cfg, source)
     _check_curriculum(cfg, source)
+    _check_init(cfg, source)
     _check_bounds(cfg, source)
     return cfg
 
@@ -360,6 +364,23 @@ def _check_curriculum(cfg: RunConfig, source: str) -> None:
                          "it cannot run with train.context_parallel > 1", source)
 
 
+def _check_init(cfg: RunConfig, source: str) -> None:
+    """``train.init_from`` is a checkpoint, and the overrides leave its parameters as they are."""
+    from megabase.model import read_checkpoint_config
+    from megabase.model.config import RUNTIME_FIELDS, STAGE_FIELDS
+
+    if cfg.train.init_from is None:
+        return
+    from .checkpointing import resolve_checkpoint
+
+    read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))  # one line if it is not one
+    changed = sorted(set(cfg.model.overrides) - set(RUNTIME_FIELDS) - set(STAGE_FIELDS))
+    if changed:
+        raise InputError(f"model.overrides.{changed[0]} would change the model that "
+                         "train.init_from holds; with init_from only kernels, chunk sizes and the "
+                         "DSA candidate stage (dsa_stage*) may be set", source)
+
+
 def _check_parallel(cfg: RunConfig, source: str) -> None:
     t = cfg.train
     world, cp = t.devices * t.num_nodes, t.context_parallel
@@ -390,10 +411,23 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def flat_params(cfg: RunConfig) -> dict[str, str]:
-    """``section.key -> value`` strings for MLflow params (the model as the resolved preset)."""
-    from megabase.model import get_preset
+def model_config(cfg: RunConfig):
+    """The run's ModelConfig: its preset and overrides, or with ``train.init_from`` the model that
+    checkpoint holds (and the overrides, which may only choose kernels and the DSA stage)."""
+    from megabase.model import ModelConfig, get_preset, read_checkpoint_config
+    from megabase.model.config import RUNTIME_FIELDS
 
+    from .checkpointing import resolve_checkpoint
+
+    if cfg.train.init_from is None:
+        return get_preset(cfg.model.preset, **cfg.model.overrides)
+    saved = read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))["model"]
+    fields = {k: v for k, v in saved.items() if k not in RUNTIME_FIELDS}
+    return ModelConfig.from_dict({**fields, **cfg.model.overrides})
+
+
+def flat_params(cfg: RunConfig) -> dict[str, str]:
+    """``section.key -> value`` strings for MLflow params (the model as the run builds it)."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, node) -> None:
@@ -404,6 +438,6 @@ def flat_params(cfg: RunConfig) -> dict[str, str]:
             out[prefix] = str(node)[:500]
 
     walk("", cfg.to_dict())
-    for k, v in get_preset(cfg.model.preset, **cfg.model.overrides).to_dict().items():
+    for k, v in model_config(cfg).to_dict().items():
         out[f"model.config.{k}"] = str(v)
     return out

@@ -83,6 +83,10 @@ class ContextParallel(OneProcess):
         parts = prefix.split([x[0, 0].numel() for x in xs], dim=-1)
         return tuple(p.unflatten(-1, shape) for p, shape in zip(parts, shapes))
 
+    def prefix_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T]`` preceded by the tokens of every earlier rank: ``[B, (rank + 1) * T]``."""
+        return self.gather(ids)[: self.rank + 1].transpose(0, 1).flatten(1)
+
     def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
         """The KDA op over the sharded sequence (see :func:`kda_context_parallel`)."""
         if initial_state is not None or output_final_state:

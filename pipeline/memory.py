@@ -17,7 +17,7 @@ from .config import RECOMPUTE as RECOMPUTE_MODES  # the choice list lives with t
 def _keep_selections(ctx, op, *args, **kwargs):
     """Recompute everything but the DSA indexer's selection: an O(T^2) pass whose output (O(T * topk)
     integers) is cheap to keep and identical when recomputed."""
-    if op is torch.ops.megabase.dsa_indexer.default:
+    if op is torch.ops.megabase.dsa_indexer.default:  # with or without the candidate stage
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

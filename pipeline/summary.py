@@ -108,7 +108,10 @@ def print_report(report: dict) -> None:
             hit = ("; DSA top-k holds the aligned key for "
                    + ", ".join("-" if h is None else f"{h:.0%}" for h in hits)
                    + f" of queries (chance {row['chance_hit_rate']:.0%})")
-        console.print(f"recall probe d={row['distance']:,} ({row.get('n_windows', '?')} windows): "
+        copies = row.get("n_copies", row.get("n_windows"))
+        where = f"{row.get('n_windows', '?')} windows" + (
+            f", {copies} copies" if copies != row.get("n_windows") else "")
+        console.print(f"recall probe d={row['distance']:,} ({where}): "
                       f"first copy {row['first_copy_bits_per_base']:.3f}, second copy "
                       f"{row['second_copy_bits_per_base']:.3f} bits/base{ci}{hit}")
     best = report.get("best_baseline")

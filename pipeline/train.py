@@ -22,7 +22,7 @@ import torch
 from megabase.data.atomic import write_atomic
 from megabase.data.errors import InputError
 
-from .config import RunConfig, dump_config, flat_params
+from .config import RunConfig, dump_config, flat_params, model_config
 
 
 class TrainingStream(torch.utils.data.Sampler[int]):
@@ -88,10 +88,11 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
 
     from megabase.data import WindowDataset
     from megabase.eval.tracking import experiment_id, quiet_libraries, resolve_tracking_uri
-    from megabase.model import build_model, read_checkpoint_config
+    from megabase.model import build_model, load_checkpoint, read_checkpoint_config
 
     from .checkpointing import (
-        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, resumable_state,
+        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, resolve_checkpoint,
+        resumable_state,
     )
     from .distributed import trainer_kwargs
     from .lit import LitLM, StepLog
@@ -133,7 +134,10 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
 
     t = cfg.train
     pl.seed_everything(t.seed, workers=True, verbose=False)
-    model = build_model(cfg.model.preset, **cfg.model.overrides)
+    if t.init_from is not None and start_step == 0:  # a resumed run has its own weights
+        model = load_checkpoint(resolve_checkpoint(t.init_from), **cfg.model.overrides).train()
+    else:
+        model = build_model(model_config(cfg))
     lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")  # parallelized in configure_model
     dataset = WindowDataset(store, bed, split="train", rc_prob=cfg.data.rc_prob, seed=t.seed)
     replicas = t.devices * t.num_nodes // t.context_parallel
@@ -145,7 +149,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
              # what `megabase evaluate` scores and fits its baselines on unless told otherwise
              "regions": {"train": list(cfg.data.train), "eval": list(cfg.data.eval)},
              "mlflow": {"tracking_uri": uri, "run_id": run_id},
-             "data": {"store": str(store.path), "windows": str(bed)}}
+             "data": {"store": str(store.path), "windows": str(bed)},
+             **({"init_from": str(resolve_checkpoint(t.init_from).resolve())} if t.init_from else {})}
     saver = PeriodicCheckpoint(out, t.checkpoint_every)
     trainer = pl.Trainer(
         **trainer_kwargs(t.devices, t.num_nodes), max_steps=t.steps, max_epochs=-1,

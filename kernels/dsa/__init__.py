@@ -16,8 +16,10 @@ import os
 
 import torch
 
-from . import cpu, reference
+from . import candidates, cpu, reference
+from .candidates import Stage
 from .reference import BLOCK_K, BLOCK_Q, indexer_kl_dense
+from .seeds import seed_keys
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 
@@ -52,11 +54,26 @@ def _impl(backend: str, like: torch.Tensor):
 
 def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_recent: int = 0,
                 block_q: int = BLOCK_Q, block_k: int = BLOCK_K, offset: int = 0,
-                backend: str = "auto"):
+                backend: str = "auto", stage: Stage | None = None, seeds=None, summaries=None):
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
-    ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own."""
+    ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own.
+
+    With ``stage`` (:class:`~megabase.kernels.dsa.candidates.Stage`) queries from
+    ``stage.first_staged()`` on score only their candidates: the local window, the best blocks by
+    their ``summaries [B, Tk // block, R, DI]`` (computed when None) and ``seeds [B, Tq, S]``
+    (:func:`seed_keys`; None: no seeds). On CUDA the stage runs in the PyTorch reference."""
     impl = _impl(backend, q_idx)
     _check_indexer(q_idx, k_idx, w_idx, offset)
+    if stage is not None:
+        if keep_recent > stage.local:
+            raise ValueError(f"keep_recent ({keep_recent}) must not exceed the candidate stage's "
+                             f"local window ({stage.local})")
+        if seeds is not None and tuple(seeds.shape[:2]) != tuple(q_idx.shape[:2]):
+            raise ValueError(f"seeds {tuple(seeds.shape)} do not match the queries "
+                             f"{tuple(q_idx.shape)}")
+        staged = cpu.staged_indexer if impl is cpu else candidates.staged_indexer
+        return staged(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent, offset, seeds,
+                      summaries)
     if impl in (cpu, reference):
         return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k,
                                 offset)
@@ -133,17 +150,31 @@ def dsa_attention(q, k, v, q_idx=None, k_idx=None, w_idx=None, topk: int = 2048,
 @torch.library.custom_op("megabase::dsa_indexer", mutates_args=())
 def dsa_indexer_op(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor | None,
                    topk: int, keep_recent: int, block_q: int, offset: int,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", stage: list[int] | None = None,
+                   seeds: torch.Tensor | None = None,
+                   summaries: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dsa_indexer` as one registered op, so activation recompute can keep its output
-    (``megabase.pipeline.memory``): the O(T^2) selection then runs once per step, not twice."""
+    (``megabase.pipeline.memory``): the selection then runs once per step, not twice.
+    ``stage``: :meth:`Stage.encode` (the op schema takes integers, not dataclasses)."""
     return dsa_indexer(q_idx, k_idx, w_idx, topk, keep_recent=keep_recent, block_q=block_q,
-                       offset=offset, backend=backend)
+                       offset=offset, backend=backend,
+                       stage=None if stage is None else Stage.decode(stage), seeds=seeds,
+                       summaries=summaries)
 
 
 @dsa_indexer_op.register_fake
-def _(q_idx, k_idx, w_idx, topk, keep_recent, block_q, offset, backend="auto"):
+def _(q_idx, k_idx, w_idx, topk, keep_recent, block_q, offset, backend="auto", stage=None,
+      seeds=None, summaries=None):
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], topk), dtype=torch.long)
 
 
-__all__ = ["BACKENDS", "dsa_attention", "dsa_indexer", "dsa_indexer_op", "indexer_kl_dense",
-           "indexer_kl_sparse", "resolve_backend", "sparse_attention"]
+def block_summaries(k_idx: torch.Tensor, stage: Stage) -> torch.Tensor:
+    """``k_idx [B, Tk, DI]`` -> the candidate stage's block summaries ``[B, Tk // block, R, DI]``
+    (the C kernel on CPU: its sums have a fixed order, so a streamed sequence gets the bits of
+    its full pass)."""
+    return cpu.block_summaries(k_idx, stage)
+
+
+__all__ = ["BACKENDS", "Stage", "block_summaries", "dsa_attention", "dsa_indexer",
+           "dsa_indexer_op", "indexer_kl_dense", "indexer_kl_sparse", "resolve_backend",
+           "seed_keys", "sparse_attention"]

@@ -21,7 +21,8 @@ import torch
 from megabase.kernels import native
 from megabase.kernels.precision import full_precision
 
-from . import reference
+from . import candidates, reference
+from .candidates import Stage
 
 VW = 16  # keys per vector in indexer.c
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -29,7 +30,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 def _indexer_lib():
     return native.bind(str(Path(__file__).with_name("indexer.c")), {
-        "megabase_dsa_indexer": [_P] * 3 + [_I] * 6 + [_F, _I, _I, _P, ctypes.c_int]})
+        "megabase_dsa_indexer": [_P] * 3 + [_I] * 6 + [_F, _I, _I, _P, ctypes.c_int],
+        "megabase_dsa_staged_indexer": [_P] * 5 + [_I] * 7 + [_F] + [_I] * 5
+        + [ctypes.c_int, _P, ctypes.c_int],
+        "megabase_dsa_block_summaries": [_P] + [_I] * 4 + [ctypes.c_int, _P]})
 
 
 def _attention_lib():
@@ -61,8 +65,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     Tk = k_idx.shape[1]
     scale = DI**-0.5 if scale is None else scale
     q = q_idx.float().contiguous()
-    kb = torch.nn.functional.pad(k_idx.float(), (0, 0, 0, (-Tk) % VW))  # blocks of VW keys
-    kb = kb.reshape(B, -1, VW, DI).transpose(2, 3).contiguous()  # [B, Tk / VW, DI, VW]
+    kb = _vectors(k_idx.float())  # [B, Tk / VW, DI, VW]
     w = None if w_idx is None else w_idx.float().contiguous()
     out = torch.empty(B, Tq, topk, dtype=torch.long)
     status = lib.megabase_dsa_indexer(
@@ -70,6 +73,64 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
         scale, keep_recent, offset, out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"the native DSA indexer could not allocate its top-{topk} buffers")
+    return out
+
+
+def _vectors(x: torch.Tensor) -> torch.Tensor:
+    """``[B, n, *rest]`` -> ``[B, ceil(n / VW), *rest, VW]``: VW rows at a time, each block
+    transposed so that one channel of VW rows is one vector (zero-padded)."""
+    B, n = x.shape[:2]
+    x = torch.nn.functional.pad(x.reshape(B, n, -1), (0, 0, 0, (-n) % VW))
+    return x.reshape(B, -1, VW, x.shape[-1]).transpose(2, 3).contiguous()
+
+
+def block_summaries(k_idx: torch.Tensor, stage: Stage) -> torch.Tensor:
+    """As :func:`megabase.kernels.dsa.candidates.block_summaries` (the mean summed in key order)."""
+    lib = _indexer_lib() if k_idx.device.type == "cpu" else None
+    if lib is None:
+        return candidates.block_summaries(k_idx, stage)
+    B, Tk, DI = k_idx.shape
+    k = k_idx.detach().float().contiguous()
+    out = torch.empty(B, Tk // stage.block, stage.rows, DI)
+    lib.megabase_dsa_block_summaries(k.data_ptr(), B, Tk, DI, stage.block, stage.rows,
+                                     out.data_ptr())
+    return out
+
+
+@torch.no_grad()
+def staged_indexer(q_idx, k_idx, w_idx, topk: int, stage: Stage, scale=None,
+                   keep_recent: int = 0, offset: int = 0, seeds=None, summaries=None):
+    """As :func:`megabase.kernels.dsa.candidates.staged_indexer`; a query's candidate scores are
+    bit for bit those of :func:`dsa_indexer`. CPU tensors; others, or no C kernel, the reference."""
+    lib = _indexer_lib() if q_idx.device.type == "cpu" else None
+    if lib is None:
+        return candidates.staged_indexer(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent,
+                                         offset, seeds, summaries)
+    B, Tq, HI, DI = q_idx.shape
+    Tk = k_idx.shape[1]
+    scale = DI**-0.5 if scale is None else scale
+    split = min(Tq, max(0, stage.first_staged() - offset))
+    out = torch.empty(B, Tq, topk, dtype=torch.long)
+    if split:
+        out[:, :split] = dsa_indexer(q_idx[:, :split], k_idx, None if w_idx is None else
+                                     w_idx[:, :split], topk, scale, keep_recent, offset=offset)
+    if split == Tq:
+        return out
+    summaries = block_summaries(k_idx, stage) if summaries is None else summaries
+    kb, sb = _vectors(k_idx.float()), _vectors(summaries.float())  # [B, n / VW, R * DI, VW]
+    q = q_idx[:, split:].float().contiguous()
+    w = None if w_idx is None else w_idx[:, split:].float().contiguous()
+    s = None if seeds is None or not seeds.shape[-1] else seeds[:, split:].int().contiguous()
+    rest = out[:, split:].contiguous()
+    status = lib.megabase_dsa_staged_indexer(
+        q.data_ptr(), kb.data_ptr(), sb.data_ptr(),
+        None if w is None else w.data_ptr(), None if s is None else s.data_ptr(),
+        0 if s is None else s.shape[-1], B, Tq - split, Tk, HI, DI, topk, scale, keep_recent,
+        offset + split, stage.block, stage.blocks, stage.local, stage.rows, rest.data_ptr(),
+        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the native candidate stage could not allocate its buffers")
+    out[:, split:] = rest
     return out
 
 
@@ -175,4 +236,5 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q:
     return total / max(B * Tq, 1)
 
 
-__all__ = ["available", "dsa_indexer", "indexer_kl_sparse", "sparse_attention"]
+__all__ = ["available", "block_summaries", "dsa_indexer", "indexer_kl_sparse", "sparse_attention",
+           "staged_indexer"]

@@ -172,3 +172,185 @@ int megabase_dsa_indexer(const float *q, const float *kb, const float *w, int64_
     free(pool);
     return 0;
 }
+
+/* ---- The candidate stage (see candidates.py): the same scores, on a query's candidates only.
+ *
+ * A query at pos scores the summaries of the blocks before its local window, keeps the best
+ * `nkeep` blocks, then scores exactly the keys of those blocks, of the local window L..pos and its
+ * seeds (int32 [R, S], -1 padded; those inside a kept block or the window are skipped, being
+ * there already). Key scores are computed lane by lane as one_row computes them, so a key's score
+ * is bit for bit the exact kernel's; the top-k of the candidates is taken by radix select in the
+ * same total order (score desc, position desc). Summaries: sb [B, ceil(nblk / VW), rows, DI, VW]
+ * (rows 1: mean key; rows 2: per-channel max then min).
+ */
+
+/* Index scores of the VW keys of one key block (kblk [DI, VW]), as one_row's lanes. */
+static inline vf key_scores(const float *qs, const float *kblk, const float *w, int64_t HI,
+                            int64_t DI) {
+    vf score = {0};
+    for (int64_t j = 0; j < HI; j++) {
+        vf acc = {0};
+        for (int64_t d = 0; d < DI; d++) acc += qs[j * DI + d] * load(kblk + d * VW);
+        const float wj = w ? w[j] : 1.0f;
+        vf zero = {0};
+        score += wj * (vf)((vi)acc & (acc > zero));
+    }
+    return score;
+}
+
+/* Scores (mean) or upper bounds (max) of VW blocks from their summaries (sblk [rows, DI, VW]). */
+static inline vf summary_scores(const float *qs, const float *sblk, const float *w, int64_t HI,
+                                int64_t DI, int rows) {
+    if (rows == 1) return key_scores(qs, sblk, w, HI, DI);
+    vf score = {0}, zero = {0};
+    const float *top = sblk, *bottom = sblk + DI * VW;
+    for (int64_t j = 0; j < HI; j++) {
+        const float wj = w ? w[j] : 1.0f;
+        vf acc = {0};
+        for (int64_t d = 0; d < DI; d++) { /* q . k is largest at max where q > 0, min where q < 0 */
+            const float qd = qs[j * DI + d];
+            const float *row = (qd >= 0.0f) == (wj >= 0.0f) ? top : bottom;
+            acc += qd * load(row + d * VW);
+        }
+        score += wj * (vf)((vi)acc & (acc > zero));
+    }
+    return score;
+}
+
+/* Move the k largest of x[0..n) into x[0..k) (any order); returns min(n, k). A running floor lets
+ * only keys above the k-th so far into the buffer, compacted by radix select when it holds 4k:
+ * one comparison per key where the exact sort of n would cost several passes. tmp: 4k entries. */
+static int64_t select_top(int64_t *x, int64_t n, int64_t k, int64_t *tmp) {
+    if (n <= k) return n;
+    int64_t floor = x[0], m = k, kth;
+    for (int64_t i = 1; i < k; i++) floor = x[i] < floor ? x[i] : floor;
+    for (int64_t i = k; i < n; i++) {
+        const int64_t y = x[i];
+        if (y <= floor) continue;
+        x[m++] = y; /* m <= i: in place */
+        if (m == 4 * k) {
+            m = compact(x, m, k, tmp, &kth);
+            floor = kth;
+        }
+    }
+    return m > k ? compact(x, m, k, tmp, &kth) : m;
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
+
+static void staged_row(const float *q, const float *kb, const float *sb, const float *w,
+                       const int32_t *seeds, int64_t S, int64_t HI, int64_t DI, int64_t pos,
+                       int64_t topk, float scale, int64_t keep_recent, int64_t block,
+                       int64_t nkeep, int64_t local, int rows, int64_t *out, int64_t *cand,
+                       int64_t *tmp, int64_t *bkeys, unsigned char *kept) {
+    float qs[HI * DI];
+    for (int64_t i = 0; i < HI * DI; i++) qs[i] = q[i] * scale;
+    const int64_t L = (pos + 1 - local > 0 ? (pos + 1 - local) / block : 0) * block;
+    const int64_t nb = L / block, per = block / VW; /* nb > nkeep: the caller checked */
+    for (int64_t g = 0; g * VW < nb; g++) {
+        const vf s = summary_scores(qs, sb + g * rows * DI * VW, w, HI, DI, rows);
+        for (int x = 0; x < VW && g * VW + x < nb; x++)
+            bkeys[g * VW + x] = order_key(s[x]) * ((int64_t)1 << 32) + g * VW + x;
+    }
+    const int64_t chosen = select_top(bkeys, nb, nkeep, tmp);
+    const int64_t recent = keep_recent > 0 ? pos - keep_recent : INT64_MAX;
+    int64_t n = 0;
+#define TAKE(s, v) cand[n++] = order_key((s) > recent ? INFINITY : (v)) * ((int64_t)1 << 32) + (s)
+    for (int64_t c = 0; c < chosen; c++) {
+        const int64_t b = bkeys[c] & 0xFFFFFFFF;
+        kept[b] = 1;
+        for (int64_t i = 0; i < per; i++) {
+            const int64_t v0 = b * per + i;
+            const vf s = key_scores(qs, kb + v0 * DI * VW, w, HI, DI);
+            for (int x = 0; x < VW; x++) TAKE(v0 * VW + x, s[x]);
+        }
+    }
+    for (int64_t v0 = L / VW; v0 * VW <= pos; v0++) {
+        const vf s = key_scores(qs, kb + v0 * DI * VW, w, HI, DI);
+        for (int x = 0; x < VW && v0 * VW + x <= pos; x++) TAKE(v0 * VW + x, s[x]);
+    }
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = seeds[i];
+        if (s < 0 || s >= L || kept[s / block]) continue;
+        const vf v = key_scores(qs, kb + (s / VW) * DI * VW, w, HI, DI);
+        TAKE(s, v[s % VW]);
+    }
+#undef TAKE
+    for (int64_t c = 0; c < chosen; c++) kept[bkeys[c] & 0xFFFFFFFF] = 0;
+    n = select_top(cand, n, topk, tmp);
+    for (int64_t i = 0; i < n; i++) cand[i] &= 0xFFFFFFFF;
+    qsort(cand, (size_t)n, sizeof *cand, cmp_desc);
+    for (int64_t i = 0; i < n; i++) out[i] = cand[n - 1 - i];
+    for (int64_t i = n; i < topk; i++) out[i] = -1;
+}
+
+/* Queries r of B * Tq, all at positions >= the stage's first (see candidates.Stage.first_staged). */
+int megabase_dsa_staged_indexer(const float *q, const float *kb, const float *sb, const float *w,
+                                const int32_t *seeds, int64_t S, int64_t B, int64_t Tq,
+                                int64_t Tk, int64_t HI, int64_t DI, int64_t topk, float scale,
+                                int64_t keep_recent, int64_t offset, int64_t block, int64_t nkeep,
+                                int64_t local, int rows, int64_t *out, int threads) {
+    if (topk <= 0) return 0;
+    if (threads < 1) threads = 1;
+    const int64_t nkb = (Tk + VW - 1) / VW, nblk = Tk / block;
+    const int64_t nsb = (nblk + VW - 1) / VW;
+    const int64_t most = nkeep * block + local + block + S; /* candidates of one query, at most */
+    int64_t room = most > nblk ? most : nblk; /* scratch of a selection from either list */
+    room = room > 4 * topk ? room : 4 * topk;
+    room = room > 4 * nkeep ? room : 4 * nkeep;
+    const int64_t width = 2 * room + nblk + 1;
+    int64_t *pool = malloc((size_t)threads * (size_t)width * sizeof *pool);
+    unsigned char *marks = calloc((size_t)threads * (size_t)(nblk + 1), 1);
+    if (!pool || !marks) {
+        free(pool);
+        free(marks);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (int64_t i = 0; i < B * Tq; i++) {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        int64_t *buf = pool + (size_t)t * (size_t)width;
+        const int64_t r = B * Tq - 1 - i, b = r / Tq, pos = offset + r % Tq;
+        staged_row(q + r * HI * DI, kb + b * nkb * DI * VW, sb + b * nsb * rows * DI * VW,
+                   w ? w + r * HI : NULL, seeds ? seeds + r * S : NULL, seeds ? S : 0, HI, DI,
+                   pos, topk, scale, keep_recent, block, nkeep, local, rows, out + r * topk, buf,
+                   buf + room, buf + 2 * room, marks + (size_t)t * (size_t)(nblk + 1));
+    }
+    free(pool);
+    free(marks);
+    return 0;
+}
+
+/* Block summaries of k [B, Tk, DI]: out [B, Tk / block, rows, DI], the mean key (rows 1, summed in
+ * key order) or the per-channel max then min (rows 2). */
+int megabase_dsa_block_summaries(const float *k, int64_t B, int64_t Tk, int64_t DI, int64_t block,
+                                 int rows, float *out) {
+    const int64_t nblk = Tk / block;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < nblk; i++) {
+            const float *kk = k + (b * Tk + i * block) * DI;
+            float *o = out + (b * nblk + i) * rows * DI;
+            for (int64_t d = 0; d < DI; d++) {
+                float hi = kk[d], lo = kk[d], sum = 0.0f;
+                for (int64_t s = 0; s < block; s++) {
+                    const float v = kk[s * DI + d];
+                    sum += v;
+                    hi = v > hi ? v : hi;
+                    lo = v < lo ? v : lo;
+                }
+                if (rows == 1) o[d] = sum / (float)block;
+                else {
+                    o[d] = hi;
+                    o[DI + d] = lo;
+                }
+            }
+        }
+    return 0;
+}

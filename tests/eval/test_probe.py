@@ -9,7 +9,7 @@ from megabase.model import build_model
 
 def test_recall_windows_repeat_a_real_segment(bundled_store):
     tokens = np.array(bundled_store.tokens("chr22"))
-    for d, window, m in recall_windows(tokens, [1_000, 4_000], 50, 2, seed=1):
+    for d, window, m, _ in recall_windows(tokens, [1_000, 4_000], 50, 2, seed=1):
         assert len(window) == d + m and np.array_equal(window[d:], window[:m])
         assert (window < 4).all()
 
@@ -17,11 +17,33 @@ def test_recall_windows_repeat_a_real_segment(bundled_store):
 def test_recall_windows_in_a_gapped_assembly_keep_the_copy_clean(hsap_store):
     tokens = np.array(hsap_store.tokens("chr22")[40_000_000:])
     starts = set()
-    for d, window, m in recall_windows(tokens, [16_000], 200, 32, seed=0):
+    for d, window, m, _ in recall_windows(tokens, [16_000], 200, 32, seed=0):
         assert (window[:m] < 4).all() and (window[d:] < 4).all()
         assert (window >= 4).mean() <= 0.5
         starts.add(bytes(window[:m]))
     assert len(starts) == 32
+
+
+def test_several_copies_per_window_each_repeat_d_later(hsap_store):
+    tokens = np.array(hsap_store.tokens("chr22")[40_000_000:41_000_000])
+    seen = 0
+    for d, window, m, offsets in recall_windows(tokens, [65_536], 200, 3, seed=2, pairs=8):
+        assert len(window) == d + 8_000 and len(offsets) == 8 and offsets == sorted(offsets)
+        assert all(o % m == 0 and o + m <= 8_000 for o in offsets)
+        for o in offsets:
+            assert (window[o : o + m] < 4).all() and np.array_equal(window[o + d : o + d + m],
+                                                                    window[o : o + m])
+        seen += 1
+    assert seen == 3
+
+    def copier(w):  # knows every base it saw 65,536 back
+        nll = np.full(len(w), np.log(4.0))
+        nll[65_536:] = np.where(w[65_536:] == w[: len(w) - 65_536], 0.01, np.log(4.0))
+        return nll
+
+    row = recall_probe(copier, tokens, [65_536], n_per_distance=3, n_boot=50, pairs=8)[0]
+    assert row["n_windows"] == 3 and row["n_copies"] == 24
+    assert row["second_copy_bits_per_base"] < 0.1 < 1.9 < row["first_copy_bits_per_base"]
 
 
 def test_probe_distances_reach_the_window_length():
@@ -40,7 +62,7 @@ def test_a_copying_scorer_shows_the_second_copy_cheaper(bundled_store):
 
     rows = recall_probe(copier, tokens, [1_000], copy_len=50, n_per_distance=8, n_boot=100)
     row = rows[0]
-    assert row["n_windows"] == 8 and row["dsa_hit_rate"] is None
+    assert row["n_windows"] == row["n_copies"] == 8 and row["dsa_hit_rate"] is None
     assert row["first_copy_bits_per_base"] == pytest.approx(2.0)
     assert row["second_copy_bits_per_base"] < 0.1
     lo, hi = row["second_copy_ci"]

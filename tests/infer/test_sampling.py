@@ -22,6 +22,17 @@ def test_log_probs_recorded_while_sampling_equal_a_teacher_forced_pass(model, bu
     assert set(np.unique(sample.tokens)) <= {0, 1, 2, 3} and len(np.unique(sample.tokens)) > 1
 
 
+def test_with_the_candidate_stage_sampling_log_probs_equal_a_teacher_forced_pass(checkpoint,
+                                                                               bundled_store):
+    from tests.kernels.test_dsa_candidates import STAGED_MODEL
+
+    model = load_checkpoint(checkpoint, **STAGED_MODEL).eval()
+    prompt = np.asarray(bundled_store.tokens("chr22")[50_000:52_500])
+    sample = generate_tokens(model, prompt, 80, seed=3, segment=1_000)
+    seq = torch.from_numpy(np.concatenate([[SEP], prompt, sample.tokens]).astype(np.int64))[None]
+    assert np.abs(log_probs(model, seq)[0, -80:].numpy() - sample.log_probs).max() <= 1e-4
+
+
 def test_the_same_seed_gives_the_same_sequence_and_top1_is_greedy(model, bundled_store):
     prompt = np.asarray(bundled_store.tokens("chr22")[30_000:30_700])
     a, b = (generate_tokens(model, prompt, 40, seed=11) for _ in range(2))

@@ -30,8 +30,11 @@ def _vcf(tmp_path, store, rows, name="v.vcf"):
     return path
 
 
-def test_a_score_equals_two_independent_full_passes(checkpoint, bundled_store):
-    model = load_checkpoint(checkpoint).eval()
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_score_equals_two_independent_full_passes(checkpoint, bundled_store, staged):
+    from tests.kernels.test_dsa_candidates import STAGED_MODEL
+
+    model = load_checkpoint(checkpoint, **(STAGED_MODEL if staged else {})).eval()
     tile = np.asarray(bundled_store.tokens("chr22")[40_000:43_000])
     edits = [(1_500, tile[1_500:1_501], np.array([(tile[1_500] + 1) % 4], dtype=np.uint8)),
              (0, tile[:1], np.array([(tile[0] + 2) % 4], dtype=np.uint8)),

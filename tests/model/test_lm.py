@@ -41,6 +41,37 @@ def test_streaming_equals_full_pass_on_20k_real_bases(model, real_tokens):
     assert float((full - log_probs(model, real_tokens, segment=2_048)).abs().max()) <= 1e-4
 
 
+def _hit_rate(overrides, x, lo, hi, distance):
+    """Share of the queries ``lo..hi`` of a copy ``distance`` back whose top-k holds its aligned key."""
+    from megabase.model.dsa import capture_selections
+
+    torch.manual_seed(0)
+    model = build_model("debug", **overrides).eval()
+    with torch.no_grad(), capture_selections(model, lo, hi) as (capture,):
+        model(x[:, :-1])
+    aligned = torch.arange(lo, hi) - distance + 1  # the key after the first copy's base
+    return float((torch.from_numpy(capture.rows) == aligned[:, None]).any(1).float().mean())
+
+
+def test_with_the_candidate_stage_streaming_equals_the_full_pass_and_seeds_find_a_copy(real_tokens):
+    from tests.kernels.test_dsa_candidates import STAGED_MODEL
+
+    torch.manual_seed(0)
+    model = build_model("debug", **STAGED_MODEL).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.5)  # outputs that depend on the sequence
+    x = real_tokens.clone()
+    x[0, 15_000:15_200] = x[0, 3_000:3_200]  # a copy 12,000 bases back: far beyond the window
+    full = log_probs(model, x)
+    streamed = log_probs(model, x, segment=[1, 4_999, 3_333, 7, 6_000, 5_660])
+    assert float((full - streamed).abs().max()) <= 1e-4
+    exact = _hit_rate({}, x, 15_020, 15_200, 12_000)
+    staged = _hit_rate(STAGED_MODEL, x, 15_020, 15_200, 12_000)
+    blind = _hit_rate({**STAGED_MODEL, "dsa_stage_seed": 0}, x, 15_020, 15_200, 12_000)
+    # the seeds hand the indexer the first copy, with fewer distractors than the exact scan has;
+    # without them, 4 blocks of 16 keys rarely hold it
+    assert staged >= max(exact, 0.8) and blind < staged - 0.3, (staged, exact, blind)
+
+
 def test_backward_reaches_every_trainable_parameter(model, real_tokens):
     # the head and the k-mer tables start at zero, so a first step trains only the head; after it
     # (as here, with their weights set) every parameter is on the loss's path

@@ -46,6 +46,17 @@ def test_knob_keeps_loss_and_gradients(real_tokens, baseline, name, knobs, overr
         assert rel_rms(grads[param], grads0[param]) <= 1e-4, f"{name}: grad of {param}"
 
 
+@pytest.mark.parametrize("mode", ["layer", "selective"])
+def test_recompute_keeps_loss_and_gradients_with_the_candidate_stage(real_tokens, mode):
+    from tests.kernels.test_dsa_candidates import STAGED_MODEL
+
+    loss0, grads0 = loss_and_grads(real_tokens, None, **STAGED_MODEL)
+    loss, grads = loss_and_grads(real_tokens, [lambda m: apply_recompute(m, mode)], **STAGED_MODEL)
+    assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+    flat = torch.cat([grads[p].flatten() for p in grads0])
+    assert_close(flat, torch.cat([g.flatten() for g in grads0.values()]), f"{mode}: all gradients")
+
+
 def test_recompute_is_idempotent_and_keeps_parameter_names():
     model = build_model("debug")
     names = [n for n, _ in model.named_parameters()]

@@ -46,6 +46,37 @@ def test_resume_after_sigkill_gives_the_same_losses(bundled_store, tmp_path):
     np.testing.assert_allclose(resumed, whole, rtol=1e-6, atol=0)
 
 
+def test_init_from_fine_tunes_a_checkpoint_and_refuses_a_changed_model(bundled_store, tmp_path,
+                                                                       capsys):
+    from safetensors.torch import load_file
+
+    from megabase.model import read_checkpoint_config
+
+    assert main(["train", *tiny(tmp_path, bundled_store, 4, name="base"), "--quiet"]) == 0
+    base = tmp_path / "runs" / "base"
+    stage = {"model.overrides.dsa_stage_from": "0", "model.overrides.dsa_stage_block": "16",
+             "model.overrides.dsa_stage_blocks": "4", "model.overrides.dsa_stage_local": "64"}
+    args = tiny(tmp_path, bundled_store, 2, name="long", **{"train.init_from": str(base),
+                                                           "data.window_length": "4096", **stage})
+    assert main(["train", *args, "--quiet"]) == 0
+    tuned = tmp_path / "runs" / "long" / "checkpoints" / "step-000002"
+    config = read_checkpoint_config(tuned)
+    assert config["init_from"] == str((base / "checkpoints" / "step-000004").resolve())
+    assert config["model"]["dsa_stage_from"] == 0 and config["model"]["d_model"] == 32
+    first = read_train_log(tmp_path / "runs" / "long")[1]["loss"]
+    assert first < read_train_log(base)[1]["loss"]  # it started from the trained weights
+    assert load_file(str(tuned / "model.safetensors")).keys() == \
+        load_file(str(base / "checkpoints" / "step-000004" / "model.safetensors")).keys()
+    capsys.readouterr()
+    bad = tiny(tmp_path, bundled_store, 2, name="bad", **{"train.init_from": str(base),
+                                                         "model.overrides.d_model": "64"})
+    assert main(["train", *bad, "--quiet"]) == 2
+    assert "model.overrides.d_model would change the model" in capsys.readouterr().err
+    missing = tiny(tmp_path, bundled_store, 2, name="bad", **{"train.init_from": "/nonexistent"})
+    assert main(["train", *missing, "--quiet"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err and not (tmp_path / "runs" / "bad").exists()
+
+
 def test_fresh_train_refuses_to_overwrite_a_run(bundled_store, tmp_path, capsys):
     assert main(["train", *tiny(tmp_path, bundled_store, 2), "--quiet"]) == 0
     capsys.readouterr()
