@@ -10,12 +10,13 @@
   base of each and their ratio (target <= 1.5), the long one's seconds (target <= 15 minutes) and
   peak RSS (target <= 3 GB).
 - kernel: the C indexer for 2,048 queries over 65,536 / 262,144 / 1,048,576 keys (cpu-small's
-  index shape), the stage vs the exact scan: microseconds per query and their ratio.
+  index shape), the stage (from position 0) vs the exact scan: microseconds per query, ratio.
 - train: one ``--preset`` optimizer step with recompute=layer at 262,144 and 1,048,576 tokens,
   the stage (the preset's) vs the exact scan (``--exact-train`` lengths, default 262,144; the
   exact 1,048,576 step takes ~35 minutes here), each in a fresh process: seconds, peak RSS.
 - quality (``--checkpoint`` and ``--data``: a trained model and its store): on windows of
-  ``--region`` at 65,536 (``--windows`` of them, default 4) and 262,144 (1), with the stage from
+  ``--region`` at 65,536 (``--windows`` of them, default 4) and 262,144 (one; both
+  ``--quality-lengths``), with the stage from
   position 0 (``start=0``: at its default start of 65,536 it would not apply at 65,536): per DSA
   layer, on sampled queries, the share of the exact top-k's attention mass (head-summed,
   normalised: the sparse indexer loss's target) that the stage's selection keeps, the share of
@@ -120,7 +121,7 @@ def bench_kernel(preset: str, queries: int = 2_048) -> list[dict]:
     from megabase.kernels.dsa import dsa_indexer
     from megabase.model import get_preset
 
-    cfg = get_preset(preset)
+    cfg = get_preset(preset, dsa_stage_from=0)  # the stage on every query, even at 65,536
     stage = cfg.stage()
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -203,7 +204,8 @@ def selection_quality(model, stage, tokens: np.ndarray, runs: int = 8, per_run: 
     return rows
 
 
-def bench_quality(checkpoint: str, data: str, region: str, windows: int) -> list[dict]:
+def bench_quality(checkpoint: str, data: str, region: str, windows: int,
+                  lengths: tuple[int, int] = (65_536, 262_144)) -> list[dict]:
     from megabase.data import TokenStore
     from megabase.model import load_checkpoint, log_probs
     from megabase.pipeline.checkpointing import resolve_checkpoint
@@ -214,7 +216,7 @@ def bench_quality(checkpoint: str, data: str, region: str, windows: int) -> list
     stage = staged_model.cfg.stage()
     store = TokenStore(data)
     out = []
-    for length, count in ((65_536, windows), (262_144, 1)):
+    for length, count in ((lengths[0], windows), (lengths[1], 1)):
         tiles = _windows(store, region, length, count)
         quality = [selection_quality(exact_model, stage, t, seed=i) for i, t in enumerate(tiles)]
         layers = [{k: float(np.mean([q[i][k] for q in quality])) for k in quality[0][i]}
@@ -250,6 +252,8 @@ def main() -> None:
     parser.add_argument("--data", help="its token store (also the bases of score and train)")
     parser.add_argument("--region", default="chr22:40,000,001-51,304,566")
     parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--quality-lengths", default="65536,262144",
+                        help="quality: --windows windows of the first length, one of the second")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
@@ -287,7 +291,8 @@ def main() -> None:
                              f"{e['seconds'] / r['seconds']:.2f}x the time")
                 print(line, flush=True)
     if "quality" in only and args.checkpoint and args.data:
-        for r in bench_quality(args.checkpoint, args.data, args.region, args.windows):
+        lengths = tuple(int(x) for x in args.quality_lengths.split(","))
+        for r in bench_quality(args.checkpoint, args.data, args.region, args.windows, lengths):
             layers = "; ".join(f"layer {i}: mass {q['mass']:.3f} (p10 {q['mass_p10']:.3f}), keys "
                                f"{q['keys']:.3f}, output error {q['output_error']:.3f}"
                                for i, q in enumerate(r["layers"]))

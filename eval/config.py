@@ -44,6 +44,9 @@ class EvalConfig:
         "records/regions the Markov baselines are fitted on; empty: the checkpoint's run's "
         "(a run: data.train)"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
+    dsa_stage: str | None = field(default=None, metadata=_help(
+        "the DSA indexer's candidate stage to score with: exact (every earlier key), max or "
+        "mean; empty: the checkpoint's"))
     segment: int = field(default=16384, metadata=_help(
         "windows longer than this many bases are streamed in pieces of it"))
     seed: int = field(default=0, metadata=_help("seed of the bootstrap and the probe"))
@@ -69,6 +72,11 @@ class EvalConfig:
             if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_ORDER:
                 raise InputError(f"{{baselines}} must be Markov orders 0..{MAX_ORDER}, got {k}",
                                  options=("baselines",))
+        from megabase.model.config import STAGES
+
+        if self.dsa_stage is not None and self.dsa_stage not in STAGES:
+            raise InputError(f"{{dsa_stage}} must be one of {', '.join(STAGES)}, got "
+                             f"{self.dsa_stage!r}", options=("dsa_stage",))
         for d in self.probe_distances:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise InputError(f"{{probe_distances}} must be positive distances, got {d}",

@@ -90,7 +90,7 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
                             run_name=f"evaluate {Path(checkpoint).name}")
             if run:  # checked now: a wrong run id fails before minutes of scoring
                 open_run(**tracking)
-    model = load_checkpoint(checkpoint)
+    model = load_checkpoint(checkpoint, **({"dsa_stage": o.dsa_stage} if o.dsa_stage else {}))
     store = TokenStore(data)
     # a checkpoint saved outside training records no window length: tiles of one segment
     length = o.length or int(config.get("window_length", o.segment))

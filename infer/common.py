@@ -54,13 +54,19 @@ def resolve_regions(store: TokenStore, specs: list[str]) -> list[Interval]:
     return out
 
 
-def load_model(checkpoint: str | Path):
+def load_model(checkpoint: str | Path, dsa_stage: str | None = None):
     """The checkpoint's model in eval mode (one line naming the file if it is damaged). A run's
-    folder (``work/runs/demo``) means its latest checkpoint."""
+    folder (``work/runs/demo``) means its latest checkpoint. ``dsa_stage``: the DSA indexer's
+    candidate stage to run it with (``exact``, ``max``, ``mean``); None: the checkpoint's."""
     from megabase.model import load_checkpoint
+    from megabase.model.config import STAGES
     from megabase.pipeline.checkpointing import resolve_checkpoint
 
-    return load_checkpoint(resolve_checkpoint(checkpoint)).eval()
+    if dsa_stage is not None and dsa_stage not in STAGES:
+        raise InputError(f"{{dsa_stage}} must be one of {', '.join(STAGES)}, got {dsa_stage!r}",
+                         options=("dsa_stage",))
+    stage = {} if dsa_stage is None else {"dsa_stage": dsa_stage}
+    return load_checkpoint(resolve_checkpoint(checkpoint), **stage).eval()
 
 
 def check_output_dir(out: Path) -> Path:

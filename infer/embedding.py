@@ -112,7 +112,8 @@ def _write(out: Path, result: EmbedResult) -> dict[str, str]:
 def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None = None,
           regions: list[str] | None = None, split: str | None = None, layer: int | None = None,
           per_base: bool = False, out: str | Path | None = None, segment: int = DEFAULT_SEGMENT,
-          progress: bool = True) -> EmbedResult:
+          progress: bool = True,
+          dsa_stage: str | None = None) -> EmbedResult:
     """Embed the windows of a BED (``windows``, optionally one ``split``) or ``regions`` of the
     store ``data``: the hidden state after block ``layer`` (1..n_layers, default the last),
     mean-pooled per window or ``per_base``, each window streamed ``segment`` bases at a time from
@@ -126,7 +127,7 @@ def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None =
     if out is not None:
         out = check_output_dir(Path(out))
         _check_dataset_dir(out / DATASET)
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dsa_stage)
     n_layers = len(model.blocks)
     layer = n_layers if layer is None else layer
     if not 1 <= layer <= n_layers:

@@ -127,7 +127,8 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
              data: str | Path | None = None, prompt_region: str | None = None,
              prompt_fasta: str | None = None, samples: int = 1, temperature: float = 1.0,
              top_k: int = 0, seed: int = 0, segment: int = DEFAULT_SEGMENT,
-             progress: bool = True) -> GenerateResult:
+             progress: bool = True,
+             dsa_stage: str | None = None) -> GenerateResult:
     """Sample ``samples`` continuations (seeds ``seed``, ``seed + 1``, ...) of ``length`` bases
     after a prompt (a region of the store ``data``, or the first record of ``prompt_fasta``);
     with ``out`` (a file) write them as FASTA."""
@@ -144,7 +145,7 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
         if out.is_dir():
             raise InputError("is a directory; give a FASTA file name", out, options=("out",))
         check_output_dir(out.parent)
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dsa_stage)
     results = []
     with tqdm(total=samples * length, unit="base", disable=not progress, desc="generate") as bar:
         for i in range(samples):

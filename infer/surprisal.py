@@ -69,7 +69,8 @@ def score_tokens(model, tokens: np.ndarray, skip: int = 0, segment: int = DEFAUL
 
 def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str | Path | None = None,
           entropy: bool = False, context: int = 0, segment: int = DEFAULT_SEGMENT,
-          formats: tuple[str, ...] = ("bedgraph", "bigwig"), progress: bool = True) -> ScoreResult:
+          formats: tuple[str, ...] = ("bedgraph", "bigwig"), progress: bool = True,
+          dsa_stage: str | None = None) -> ScoreResult:
     """Score ``regions`` of the token store ``data`` with a checkpoint.
 
     Each region is read from its first base (``context`` > 0: with up to that many bases of the
@@ -97,7 +98,7 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
         check_disjoint(intervals)
         if "bigwig" in formats:
             require_pybigwig()
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dsa_stage)
     pieces = [(iv, *tokens_of(store, iv, context)) for iv in intervals]
     tracks = []
     with tqdm(total=sum(len(t) for _, t, _ in pieces), unit="base", unit_scale=True,

@@ -154,7 +154,8 @@ def _rc(tokens: np.ndarray) -> np.ndarray:
 def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
                    out: str | Path | None = None, window: int = DEFAULT_WINDOW,
                    both_strands: bool = False, multiallelic: str = "split",
-                   progress: bool = True) -> VariantResult:
+                   progress: bool = True,
+                   dsa_stage: str | None = None) -> VariantResult:
     """Score every allele of ``vcf`` against the store ``data`` (see the module). With ``out`` (a
     folder) writes ``variants.tsv`` and ``variants.vcf.gz`` (INFO ``MB_LLR``, one value per ALT).
     ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record."""
@@ -169,7 +170,7 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
     variants = read_vcf(vcf, store, multiallelic)
     if out is not None:
         out = check_output_dir(Path(out))
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dsa_stage)
     tiles: dict[tuple[str, int], list[Variant]] = {}
     for v in variants:
         tiles.setdefault((v.chrom, v.pos // window), []).append(v)

@@ -145,7 +145,8 @@ def cmd_score(args: argparse.Namespace) -> None:
 
     result = score(args.checkpoint, args.data, _csv(",".join(args.regions)), out=args.out,
                    entropy=args.entropy, context=args.context, segment=args.segment,
-                   formats=tuple(_csv(args.format)), progress=not args.quiet)
+                   formats=tuple(_csv(args.format)), progress=not args.quiet,
+                   dsa_stage=args.dsa_stage)
     summary.print_score(result)
 
 
@@ -155,7 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     result = generate(args.checkpoint, args.length, out=args.out, data=args.data,
                       prompt_region=args.prompt_region, prompt_fasta=args.prompt_fasta,
                       samples=args.samples, temperature=args.temperature, top_k=args.top_k,
-                      seed=args.seed, segment=args.segment, progress=not args.quiet)
+                      seed=args.seed, segment=args.segment, progress=not args.quiet,
+                      dsa_stage=args.dsa_stage)
     summary.print_generate(result)
 
 
@@ -165,7 +167,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
     regions = _csv(",".join(args.regions)) if args.regions else None
     result = embed(args.checkpoint, args.data, windows=args.windows, regions=regions,
                    split=args.split, layer=args.layer, per_base=args.per_base, out=args.out,
-                   segment=args.segment, progress=not args.quiet)
+                   segment=args.segment, progress=not args.quiet, dsa_stage=args.dsa_stage)
     summary.print_embed(result)
 
 
@@ -174,7 +176,7 @@ def cmd_variants(args: argparse.Namespace) -> None:
 
     result = score_variants(args.checkpoint, args.data, args.vcf, out=args.out, window=args.window,
                             both_strands=args.both_strands, multiallelic=args.multiallelic,
-                            progress=not args.quiet)
+                            progress=not args.quiet, dsa_stage=args.dsa_stage)
     summary.print_variants(result)
 
 
@@ -370,6 +372,8 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
 def _checkpoint_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run folder (its latest checkpoint)")
+    p.add_argument("--dsa-stage", metavar="STAGE", help="the DSA indexer's candidate stage: "
+                   "exact (every earlier key), max or mean; default: the checkpoint's")
 
 
 def _segment_flag(p: argparse.ArgumentParser, what: str) -> None:

@@ -61,7 +61,8 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     With ``stage`` (:class:`~megabase.kernels.dsa.candidates.Stage`) queries from
     ``stage.first_staged()`` on score only their candidates: the local window, the best blocks by
     their ``summaries [B, Tk // block, R, DI]`` (computed when None) and ``seeds [B, Tq, S]``
-    (:func:`seed_keys`; None: no seeds). On CUDA the stage runs in the PyTorch reference."""
+    (:func:`seed_keys`; None: no seeds). The ``triton`` backend runs the stage in its Triton
+    kernels, ``cpu`` in C (where it builds), ``reference`` in PyTorch."""
     impl = _impl(backend, q_idx)
     _check_indexer(q_idx, k_idx, w_idx, offset)
     if stage is not None:
@@ -71,7 +72,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
         if seeds is not None and tuple(seeds.shape[:2]) != tuple(q_idx.shape[:2]):
             raise ValueError(f"seeds {tuple(seeds.shape)} do not match the queries "
                              f"{tuple(q_idx.shape)}")
-        staged = cpu.staged_indexer if impl is cpu else candidates.staged_indexer
+        staged = impl.staged_indexer if impl is not reference else candidates.staged_indexer
         return staged(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent, offset, seeds,
                       summaries)
     if impl in (cpu, reference):

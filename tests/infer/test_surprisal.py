@@ -96,3 +96,18 @@ def test_out_that_is_a_file_is_refused_before_scoring(checkpoint, bundled_store,
     with pytest.raises(InputError, match="not a directory"):
         score(checkpoint, bundled_store.path, ["chr22:1-100"], out=target)
     assert target.read_text() == "x"
+
+
+def test_the_dsa_stage_is_the_checkpoints_unless_chosen(checkpoint, bundled_store, tmp_path, capsys):
+    # a 3,000-base region scores the same with every stage: the stage starts at 65,536 here
+    base = score(checkpoint, bundled_store.path, ["chr22:1-3,000"], formats=(), progress=False)
+    exact = score(checkpoint, bundled_store.path, ["chr22:1-3,000"], formats=(), progress=False,
+                  dsa_stage="exact")
+    assert np.array_equal(base.tracks[0].bits, exact.tracks[0].bits, equal_nan=True)
+    assert main(["score", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-3,000", "--dsa-stage", "median", "--out",
+                 str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--dsa-stage must be one of exact, mean, max, got 'median'" in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from megabase.kernels.dsa import (
-    dsa_attention, dsa_indexer, indexer_kl_sparse, resolve_backend, sparse_attention,
+    candidates, dsa_attention, dsa_indexer, indexer_kl_sparse, resolve_backend, seed_keys,
+    sparse_attention,
 )
 from tests.kernels.test_dsa import dense_topk, make
+from tests.kernels.test_dsa_candidates import stage_of, tokens_with_copies
 from tests.kernels.tolerances import assert_close
 
 pytest.importorskip("triton")
+from megabase.kernels.dsa.triton_kernels import staged_indexer  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (B, T, HQ, H, D, HI, DI, topk): odd T, GQA, non-power-of-2 dims, topk > T, one query
@@ -110,3 +113,71 @@ def test_debug_model_trains_the_same_on_either_backend(bundled_store):
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert_close(losses[1], losses[0], "loss")
     assert_close(grads[1], grads[0], "gradients")
+
+
+# The candidate stage: (B, T, HI, DI, topk, block, blocks, local), odd lengths and topk, one to
+# three index heads, first staged queries 63, 127 and 96
+STAGED = [
+    (1, 150, 2, 5, 7, 16, 2, 16),
+    (2, 211, 3, 6, 12, 16, 4, 48),
+    (1, 277, 1, 4, 5, 16, 3, 33),
+]
+
+
+def staged_inputs(shape, summary, seed=41):
+    B, T, HI, DI, topk, block, blocks, local = shape
+    _, _, _, qi, ki, wi = make(B, T, 1, 1, 4, HI, DI, topk, seed=seed)
+    stage = stage_of(block, blocks, local, summary=summary)
+    return qi, ki, wi, topk, stage, seed_keys(tokens_with_copies(B, T, seed=seed), 0, stage)
+
+
+@pytest.mark.parametrize("shape", STAGED[1:])
+@pytest.mark.parametrize("summary", ["mean", "max"])
+def test_stage_selects_the_reference_keys(shape, summary):
+    """The staged queries only (from the first staged one on, as a stream would give them):
+    weighted or not, keep_recent or not, seeds, no seeds and an empty seed list."""
+    qi, ki, wi, topk, stage, seeds = staged_inputs(shape, summary)
+    first = stage.first_staged()
+    empty = seeds[..., :0]
+    for w, keep_recent, s in ((wi, 0, seeds), (None, 4, seeds), (wi, 4, None), (None, 0, empty)):
+        ref = candidates.staged_indexer(qi, ki, w, topk, stage, keep_recent=keep_recent, seeds=s)
+        assert (ref[:, first:] != dsa_indexer(qi, ki, w, topk, keep_recent=keep_recent,
+                                               backend="reference")[:, first:]).any()
+        dev = on(DEVICE, qi[:, first:], ki, *([] if w is None else [w[:, first:]]))
+        got = staged_indexer(dev[0], dev[1], dev[2] if w is not None else None, topk, stage,
+                             keep_recent=keep_recent, offset=first,
+                             seeds=None if s is None else s[:, first:].to(DEVICE))
+        assert torch.equal(got.cpu(), ref[:, first:])
+
+
+def test_stage_before_its_first_query_and_streamed():
+    """Through dsa_indexer: the exact Triton indexer before the first staged query, the stage
+    after it; a stream (queries from an offset on, keys up to its last query) selects what the
+    full pass selects."""
+    qi, ki, wi, topk, stage, seeds = staged_inputs(STAGED[0], "max")
+    kw = dict(topk=topk, keep_recent=2, stage=stage)
+    ref = dsa_indexer(qi, ki, wi, seeds=seeds, backend="reference", **kw)
+    full = dsa_indexer(*on(DEVICE, qi, ki, wi), seeds=seeds.to(DEVICE), backend="triton", **kw)
+    assert torch.equal(full.cpu(), ref)
+    for start, end in ((40, 150), (100, 131)):
+        part = [x[:, start:end] for x in (qi, wi, seeds)]
+        tail = dsa_indexer(*on(DEVICE, part[0], ki[:, :end], part[1]), seeds=part[2].to(DEVICE),
+                           offset=start, backend="triton", **kw)
+        assert torch.equal(tail.cpu(), ref[:, start:end])
+
+
+@pytest.mark.parametrize("summary", ["mean", "max"])
+def test_stage_one_query_per_program_and_arbitrary_seeds(summary):
+    """The GPU layout (one query per program) and seeds anywhere: inside kept blocks or the
+    local window (both skipped: there already), in the future, -1."""
+    qi, ki, wi, topk, stage, _ = staged_inputs(STAGED[2], summary, seed=42)
+    B, T = qi.shape[:2]
+    gen = torch.Generator().manual_seed(43)
+    seeds = torch.randint(-1, T, (B, T, 24), generator=gen, dtype=torch.int32)
+    ref = candidates.staged_indexer(qi, ki, wi, topk, stage, keep_recent=3, seeds=seeds)
+    start = 262
+    for block_q in (1, None):
+        got = staged_indexer(*on(DEVICE, qi[:, start:], ki, wi[:, start:]), topk, stage,
+                             keep_recent=3, offset=start, seeds=seeds[:, start:].to(DEVICE),
+                             block_q=block_q)
+        assert torch.equal(got.cpu(), ref[:, start:])
