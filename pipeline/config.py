@@ -365,20 +365,30 @@ def _check_curriculum(cfg: RunConfig, source: str) -> None:
 
 
 def _check_init(cfg: RunConfig, source: str) -> None:
-    """``train.init_from`` is a checkpoint, and the overrides leave its parameters as they are."""
-    from megabase.model import read_checkpoint_config
+    """The overrides leave ``train.init_from``'s parameters as they are. Whether it is a checkpoint
+    is asked when training starts (:func:`check_init_from`): a config may name one that a run
+    before it will make."""
     from megabase.model.config import RUNTIME_FIELDS, STAGE_FIELDS
 
     if cfg.train.init_from is None:
         return
-    from .checkpointing import resolve_checkpoint
-
-    read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))  # one line if it is not one
+    if not str(cfg.train.init_from).strip():
+        raise InputError("train.init_from must name a checkpoint or a run folder", source)
     changed = sorted(set(cfg.model.overrides) - set(RUNTIME_FIELDS) - set(STAGE_FIELDS))
     if changed:
         raise InputError(f"model.overrides.{changed[0]} would change the model that "
                          "train.init_from holds; with init_from only kernels, chunk sizes and the "
                          "DSA candidate stage (dsa_stage*) may be set", source)
+
+
+def check_init_from(cfg: RunConfig) -> None:
+    """Before a stage writes anything: ``train.init_from`` is a checkpoint (one line if not)."""
+    from megabase.model import read_checkpoint_config
+
+    from .checkpointing import resolve_checkpoint
+
+    if cfg.train.init_from is not None:
+        read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))
 
 
 def _check_parallel(cfg: RunConfig, source: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megabase.data.errors import InputError
 
-from .config import RunConfig
+from .config import RunConfig, check_init_from
 
 
 @dataclass
@@ -44,6 +44,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
         raise InputError("megabase run trains in one process; for several devices run `megabase "
                          "train --devices N` and then `megabase evaluate` on its checkpoint")
     started = time.perf_counter()
+    check_init_from(cfg)
     stages = {}
     store, prepared = ensure_store(cfg, progress)
     stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"

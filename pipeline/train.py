@@ -22,7 +22,7 @@ import torch
 from megabase.data.atomic import write_atomic
 from megabase.data.errors import InputError
 
-from .config import RunConfig, dump_config, flat_params, model_config
+from .config import RunConfig, check_init_from, dump_config, flat_params, model_config
 
 
 class TrainingStream(torch.utils.data.Sampler[int]):
@@ -99,6 +99,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     from .workdir import ensure_windows, open_store, run_dir
 
     started = time.perf_counter()
+    check_init_from(cfg)
     store = open_store(cfg)
     bed = ensure_windows(cfg, store)
     out = run_dir(cfg)

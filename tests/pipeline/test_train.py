@@ -75,6 +75,8 @@ def test_init_from_fine_tunes_a_checkpoint_and_refuses_a_changed_model(bundled_s
     missing = tiny(tmp_path, bundled_store, 2, name="bad", **{"train.init_from": "/nonexistent"})
     assert main(["train", *missing, "--quiet"]) == 2
     assert "not a checkpoint" in capsys.readouterr().err and not (tmp_path / "runs" / "bad").exists()
+    assert main(["run", *missing, "--quiet"]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err and not (tmp_path / "runs" / "bad").exists()
 
 
 def test_fresh_train_refuses_to_overwrite_a_run(bundled_store, tmp_path, capsys):
