@@ -58,11 +58,24 @@ def writing(path: str | Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     os.close(fd)
     try:
-        yield Path(tmp)
+        with naming(path):
+            yield Path(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; a file the user writes follows umask
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """An OSError raised in the block without a file name (a write to an open file on a full
+    disk, past a file-size limit) gets ``path``, so its one line says what could not be written."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
         raise
 
 

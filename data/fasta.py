@@ -1,7 +1,9 @@
 """Streaming FASTA reader: plain, gzip or bgzip in; tokenized records out.
 
 The file is decompressed by ISA-L (``isal``) in a background thread while this thread splits lines
-and tokenizes with ``bytes.translate``, so reading runs close to the speed of decompression. Memory is
+and tokenizes with ``bytes.translate`` and a worker thread hashes, counts and writes, so reading runs
+close to the speed of decompression. The file is read once: a caller that needs its checksum passes a
+``digest``, fed with the file's bytes (compressed, as on disk) as the parser reads them. Memory is
 bounded by the largest selected record; unselected records are scanned and dropped.
 """
 
@@ -19,7 +21,8 @@ import numpy as np
 from .errors import InputError
 from .vocab import INVALID, TOKEN_TABLE
 
-CHUNK = 8 << 20
+CHUNK = 1 << 20  # small enough that a block's passes (translate, mask, counts, hash) run in cache
+_INVALID = bytes([INVALID])
 _MAGIC = {
     b"\x1f\x8b": "gzip",
     b"BZh": "bzip2",
@@ -71,22 +74,36 @@ class Record:
 
 
 class _Counting:
-    """A raw file wrapper that reports how many compressed bytes were consumed."""
+    """A raw file wrapper that reports how many (compressed) bytes were consumed and feeds them to
+    ``digest``, so the file's checksum comes from the one read that parses it."""
 
-    def __init__(self, raw, on_read: Callable[[int], None] | None):
-        self.raw, self.on_read = raw, on_read
+    def __init__(self, raw, on_read: Callable[[int], None] | None, digest=None):
+        self.raw, self.on_read, self.digest = raw, on_read, digest
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
+        if self.digest is not None:
+            self.digest.update(data)
         if self.on_read is not None:
             self.on_read(len(data))
         return data
 
     def readinto(self, buf) -> int:
         n = self.raw.readinto(buf)
-        if self.on_read is not None and n:
-            self.on_read(n)
+        if n:
+            if self.digest is not None:
+                with memoryview(buf) as view:
+                    self.digest.update(view[:n])
+            if self.on_read is not None:
+                self.on_read(n)
         return n
+
+    def drain(self) -> None:
+        """Read what the decompressor left unread (padding after the last gzip member), so the
+        digest covers the whole file."""
+        if self.digest is not None:
+            while self.read(CHUNK):
+                pass
 
     def __getattr__(self, item):
         return getattr(self.raw, item)
@@ -120,10 +137,10 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
     return (OSError, ValueError, IsalError)
 
 
-def _open_stream(path: Path, on_read: Callable[[int], None] | None):
+def _open_stream(path: Path, on_read: Callable[[int], None] | None, digest=None):
     """(raw file, decompressed stream); the same object twice for plain FASTA."""
     compression = sniff_compression(path)
-    raw = _Counting(open(path, "rb"), on_read)
+    raw = _Counting(open(path, "rb"), on_read, digest)
     if compression == "gzip":
         from isal import igzip_threaded
 
@@ -136,6 +153,7 @@ def read_fasta(
     keep: Callable[[str], bool] | None = None,
     on_read: Callable[[int], None] | None = None,
     sink: Callable[[Record], RecordSink] | None = None,
+    digest: "hashlib._Hash | None" = None,
 ) -> Iterator[Record]:
     """Yield the records of a FASTA file, tokenized.
 
@@ -146,6 +164,9 @@ def read_fasta(
         on_read: called with the number of (compressed) bytes consumed, for progress bars.
         sink: called when a kept record starts; its result receives the record's chunks as they
             are read and is closed before the record is yielded, so memory stays at one chunk.
+        digest: a ``hashlib`` object updated with every byte of the file as it is read (the
+            compressed bytes of a gzip file); once the records are exhausted it holds the whole
+            file's checksum, with no second read.
 
     Yields:
         :class:`Record` with token chunks, mask chunks and counts. Names must be unique.
@@ -160,10 +181,11 @@ def read_fasta(
     if path.is_dir():
         raise InputError("is a directory, not a FASTA file", path)
     if not path.is_file():  # checked by stat, so a FIFO cannot hang us here
-        raise InputError("is not a regular file (a pipe, FIFO or device): megabase reads a FASTA "
-                         "twice (records, then its checksum); save it to a file first", path)
+        raise InputError("is not a regular file (a pipe, FIFO or device): megabase reads FASTA from "
+                         "a file, whose size and date tell whether a store made from it is current; "
+                         "save it to a file first", path)
     try:
-        raw, stream = _open_stream(path, on_read)
+        raw, stream = _open_stream(path, on_read, digest)
     except OSError as exc:
         raise InputError(f"cannot read ({exc.strerror or exc})", path) from None
     # Checksums and counts run on a worker thread (hashlib and numpy release the GIL) while this
@@ -174,17 +196,20 @@ def read_fasta(
         with raw, stream:
             for block in _line_blocks(stream, path, parser):
                 yield from parser.feed(block)
+            raw.drain()
         yield from parser.finish()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
-    """Decompressed data in blocks that end at a line end; decompression errors become InputError.
+    """Decompressed data in blocks that never end inside a header line (a block may end inside a
+    line of bases; the parser goes on with it); decompression errors become InputError.
 
+    A block is the chunk as read, not a copy, unless a header straddles two chunks.
     Errors raised by the consumer of this generator (a full disk, say) do not pass through here.
     """
-    carry, cr_only = b"", None
+    carry, cr_only, line_start = b"", None, True  # line_start: the last block ended a line
     try:
         while True:
             chunk = stream.read(CHUNK)
@@ -195,16 +220,16 @@ def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
             if cr_only:
                 chunk = chunk.replace(b"\r", b"\n")
             data = carry + chunk if carry else chunk
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                if len(data) >= CHUNK and b">" not in data:  # a long line of bases: pass it on in
-                    carry = b""                              # pieces, so memory stays one chunk
-                    yield data
-                else:
-                    carry = data
-                continue
-            carry = data[cut:]
-            yield data[:cut]
+            last = data.rfind(b"\n") + 1  # where the unfinished last line starts
+            if data[last:last + 1] == b">" and (last or line_start):  # a header, cut short: keep
+                carry = data[last:]                                 # it for the next chunk
+                if not last:
+                    continue
+                data = data[:last]
+            else:
+                carry = b""
+            line_start = data.endswith(b"\n")
+            yield data
     except EOFError:
         raise InputError(parser.where("gzip stream is truncated (file ends early)"), path) from None
     except _decompress_errors() as exc:
@@ -213,19 +238,24 @@ def _line_blocks(stream, path: Path, parser: "_Parser") -> Iterator[bytes]:
         yield carry + b"\n"
 
 
-def _chunk_stats(record: Record, seq: bytes, tokens: bytes, mask: np.ndarray, offset: int):
-    """Validate, hash and count one chunk; runs on the worker thread, in submission order."""
-    bad = tokens.find(INVALID)
-    if bad >= 0:
-        return (offset + bad, seq[bad])
+_IN_FLIGHT = 4
+"""Chunks of a record handed to the worker and not yet done; the parser waits beyond that, so a
+slow disk bounds memory instead of the record's length."""
+
+
+def _chunk_stats(record: Record, seq: bytes, tokens: bytes) -> None:
+    """Mask, hash, count and write one chunk of valid bases; runs on the worker thread, in
+    submission order (hashlib and numpy release the GIL, so it overlaps the parser)."""
+    mask = np.frombuffer(seq, dtype=np.uint8) >= ord("a")
     record._sha.update(tokens)
     if record.sink is not None:
         record.sink.write(tokens, mask)
+    else:
+        record.mask.append(mask)
     arr = np.frombuffer(tokens, dtype=np.uint8)
     record.n_count += int(np.count_nonzero(arr == 4))
     record.gc_count += int(np.count_nonzero(arr == 1)) + int(np.count_nonzero(arr == 2))
     record.softmasked += int(np.count_nonzero(mask & (arr < 4)))
-    return None
 
 
 class _Parser:
@@ -313,27 +343,28 @@ class _Parser:
         if self.skipping:
             return
         seq = raw.replace(b"\n", b"")
-        for junk in (b"\r", b" ", b"\t"):
-            if junk in seq:
-                seq = seq.replace(junk, b"")
+        tokens = seq.translate(TOKEN_TABLE)
+        if _INVALID in tokens:  # CR (CRLF files), blanks or tabs to drop, or a character no base
+            for junk in (b"\r", b" ", b"\t"):
+                if junk in seq:
+                    seq = seq.replace(junk, b"")
+            tokens = seq.translate(TOKEN_TABLE)
+            bad = tokens.find(_INVALID)
+            if bad >= 0:
+                self._invalid(record.length + bad, seq[bad])
         if not seq:
             return
-        tokens = seq.translate(TOKEN_TABLE)
-        mask = np.frombuffer(seq, dtype=np.uint8) >= ord("a")
-        record._pending.append(
-            self.pool.submit(_chunk_stats, record, seq, tokens, mask, record.length)
-        )
+        pending = record._pending
+        if len(pending) >= _IN_FLIGHT:
+            pending.pop(0).result()
+        pending.append(self.pool.submit(_chunk_stats, record, seq, tokens))
         if record.sink is None:
             record.tokens.append(tokens)
-            record.mask.append(mask)
         record.length += len(tokens)
 
     def _complete(self, record: Record) -> Record:
         for future in record._pending:
-            bad = future.result()
-            if bad is not None:
-                self.record = record
-                self._invalid(*bad)
+            future.result()  # a worker's error (a full disk, say) is raised here
         record._pending.clear()
         if record.sink is not None:
             record.sink.close(record)

@@ -7,7 +7,7 @@ Layout of a store directory::
     records/<name>.mask.npy       bool  [length]  True where the FASTA had lower case (soft-masked)
 
 Each record entry holds ``name, description, length, n_count, softmasked, gc_count, tokens, mask,
-tokens_sha256`` (paths relative to the store). ``n_count`` counts ``N`` tokens; ``softmasked`` and
+tokens_sha256, mask_sha256`` (paths relative to the store). ``n_count`` counts ``N`` tokens; ``softmasked`` and
 ``gc_count`` count A/C/G/T bases that were lower case, and that are C or G. Arrays open with ``numpy.load(path, mmap_mode="r")``.
 
 :func:`prepare` builds the store in a temporary sibling directory and renames it into place, so a
@@ -30,11 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import building_dir, file_sha256, remove_stale_temps
+from .atomic import building_dir, file_sha256, naming, remove_stale_temps
 from .errors import InputError
 from .fasta import Record, read_fasta
+from .locks import holding
 from .names import aliases, resolve_name
-from .vocab import vocab_dict
+from .vocab import N, vocab_dict
 
 FORMAT = "megabase-token-store"
 VERSION = 1
@@ -85,18 +86,26 @@ class _RecordFiles:
     def __init__(self, root: Path, stem: str):
         self.tokens, self.mask = f"records/{stem}.tokens.npy", f"records/{stem}.mask.npy"
         self._files = [open(root / self.tokens, "wb"), open(root / self.mask, "wb")]
+        self._mask_sha = hashlib.sha256()
         for fh, descr in zip(self._files, ("|u1", "|b1")):
             fh.write(_npy_header(descr, 0))
 
     def write(self, tokens: bytes, mask: np.ndarray) -> None:
-        self._files[0].write(tokens)
-        self._files[1].write(mask)
+        for fh, data in zip(self._files, (tokens, mask)):
+            with naming(fh.name):
+                fh.write(data)
+        self._mask_sha.update(np.ascontiguousarray(mask).view(np.uint8))
+
+    @property
+    def mask_sha256(self) -> str:
+        return self._mask_sha.hexdigest()
 
     def close(self, record: Record) -> None:
         for fh, descr in zip(self._files, ("|u1", "|b1")):
-            fh.seek(0)
-            fh.write(_npy_header(descr, record.length))
-            fh.close()
+            with naming(fh.name):  # buffered bytes reach the disk here
+                fh.seek(0)
+                fh.write(_npy_header(descr, record.length))
+                fh.close()
 
 
 def _install(tmp: Path, out: Path, old: dict | None) -> None:
@@ -149,11 +158,10 @@ def _is_current(manifest: dict | None, out: Path, fasta: Path, source: dict, sel
     old = manifest.get("source", {})
     if old.get("path") != source["path"] or old.get("size") != source["size"]:
         return False
-    for rec in manifest.get("records", []):
-        for key, itemsize in (("tokens", 1), ("mask", 1)):
-            f = out / rec[key]
-            if not f.exists() or f.stat().st_size < rec["length"] * itemsize:
-                return False
+    problem = store_problem(out, manifest)
+    if problem is not None:
+        print(f"{out}: {problem}; rebuilding it", file=sys.stderr)
+        return False
     if old.get("mtime_ns") == source["mtime_ns"]:
         return True
     return old.get("sha256") == file_sha256(fasta)
@@ -183,6 +191,14 @@ def prepare(
         raise InputError("is a directory, not a FASTA file", fasta)
     source = _source_info(fasta)
     selection = list(chroms) if chroms else None
+    _existing_manifest(out)  # a folder megabase did not make is refused before any lock file
+    # one builder per store: a second prepare waits, then finds the first one's store current
+    with holding(out, f"the store {out.name!r}", wait=True):
+        return _prepare(fasta, out, chroms, progress, source, selection)
+
+
+def _prepare(fasta: Path, out: Path, chroms: list[str] | None, progress: bool, source: dict,
+             selection: list[str] | None) -> PrepareResult:
     manifest = _existing_manifest(out)
     if _is_current(manifest, out, fasta, source, selection):
         return PrepareResult(out, manifest["records"], source["size"], 0.0, skipped=True)
@@ -191,8 +207,12 @@ def prepare(
     remove_stale_temps(out.parent, glob.escape(out.name))
     with building_dir(out, install=lambda tmp, out: _install(tmp, out, _existing_manifest(out))) as tmp:
         started = time.perf_counter()
-        records, seen = _write_records(fasta, tmp, chroms, progress, source["size"])
+        digest = hashlib.sha256()  # of the file's bytes, fed by the one read that parses them
+        records, seen = _write_records(fasta, tmp, chroms, progress, source["size"], digest)
         seconds = time.perf_counter() - started
+        if _source_info(fasta) != source:
+            raise InputError("changed while it was being read; run prepare again once it is "
+                             "complete", fasta)
         for requested in selection or []:
             resolve_name(requested, seen, str(fasta))
         if not records:
@@ -203,7 +223,7 @@ def prepare(
             if not rec["length"]:
                 print(f"warning: {fasta}: record {rec['name']!r} holds no bases; windows leave it "
                       "out", file=sys.stderr)
-        source["sha256"] = file_sha256(fasta)
+        source["sha256"] = digest.hexdigest()
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -218,11 +238,10 @@ def prepare(
 
 
 def _write_records(
-    fasta: Path, tmp: Path, chroms: list[str] | None, progress: bool, size: int
+    fasta: Path, tmp: Path, chroms: list[str] | None, progress: bool, size: int, digest=None
 ) -> tuple[list[dict], list[str]]:
-    """Write every selected record; return their manifest entries and all record names seen."""
-    from tqdm import tqdm
-
+    """Write every selected record; return their manifest entries and all record names seen.
+    ``digest`` (a hashlib object) is fed the file's bytes as they are read."""
     (tmp / "records").mkdir()
     wanted = None
     if chroms:
@@ -239,13 +258,20 @@ def _write_records(
         return _RecordFiles(tmp, _safe_filename(rec.name, taken))
 
     records = []
-    with tqdm(
-        total=size, unit="B", unit_scale=True, desc=f"prepare {fasta.name}",
-        disable=None if progress else True, leave=False,
-    ) as bar:
-        for rec in read_fasta(fasta, keep=keep, on_read=bar.update, sink=sink):
+    bar = None
+    if progress and sys.stderr.isatty():  # else tqdm (disable=None) would hide the bar, yet its
+        from tqdm import tqdm            # import, lock and monitor thread would still cost ~30 ms
+
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"prepare {fasta.name}", leave=False)
+    try:
+        for rec in read_fasta(fasta, keep=keep, on_read=None if bar is None else bar.update,
+                              sink=sink, digest=digest):
             records.append(_manifest_entry(rec))
-            bar.set_postfix_str(rec.name, refresh=False)
+            if bar is not None:
+                bar.set_postfix_str(rec.name, refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
     return records, seen
 
 
@@ -260,7 +286,48 @@ def _manifest_entry(rec: Record) -> dict:
         "tokens": rec.sink.tokens,
         "mask": rec.sink.mask,
         "tokens_sha256": rec.tokens_sha256,
+        "mask_sha256": rec.sink.mask_sha256,
     }
+
+
+def _read_record_file(root: Path, rec: dict, kind: str) -> tuple[np.ndarray | None, str | None]:
+    """``(memory map, None)`` of a record's ``kind`` file (``"tokens"`` or ``"mask"``) when it
+    matches its manifest entry, else ``(None, what differs)``: shape, sha256 (hashing runs at
+    ~0.7 GB/s, once per record and process) and, for tokens, that every value is a stored base."""
+    try:
+        arr = np.load(root / rec[kind], mmap_mode="c")  # copy-on-write: writes stay private
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read {rec[kind]} ({exc})"
+    if arr.shape != (rec["length"],) or arr.dtype != (np.uint8 if kind == "tokens" else np.bool_):
+        return None, f"{rec[kind]} holds {arr.dtype} {arr.shape}, the manifest {rec['length']:,} values"
+    recorded = rec.get(f"{kind}_sha256")  # stores written before the mask had one lack it
+    if recorded is not None and recorded != hashlib.sha256(
+            memoryview(np.ascontiguousarray(arr).view(np.uint8))).hexdigest():
+        return None, f"{rec[kind]} was changed after prepare (its sha256 is not the manifest's)"
+    if kind == "tokens" and arr.size and int(arr.max()) > N:  # prepare stores only A C G T N
+        return None, f"{rec[kind]} holds token {int(arr.max())}, outside the vocabulary (0-{N})"
+    return arr, None
+
+
+def check_record_file(root: Path, rec: dict, kind: str, manifest: dict) -> np.ndarray:
+    """The checked memory map of :func:`_read_record_file`; InputError names the store, the
+    record, what differs and how to rebuild."""
+    arr, problem = _read_record_file(root, rec, kind)
+    if problem is not None:
+        source = manifest.get("source", {}).get("path", "FASTA")
+        raise InputError(f"{problem}; rebuild the store: `megabase prepare {source} --out {root}`",
+                         root, rec["name"])
+    return arr
+
+
+def store_problem(root: Path, manifest: dict) -> str | None:
+    """What in the store at ``root`` no longer matches ``manifest``; None if it all does."""
+    for rec in manifest.get("records", []):
+        for kind in ("tokens", "mask"):
+            problem = _read_record_file(root, rec, kind)[1]
+            if problem is not None:
+                return f"record {rec['name']!r}: {problem}"
+    return None
 
 
 class TokenStore:
@@ -305,20 +372,13 @@ class TokenStore:
         return self.records[self.resolve(name)]["length"]
 
     def _array(self, name: str, kind: str) -> np.ndarray:
+        """The record's memory map, checked against the manifest the first time it is opened."""
         key = (name, kind)
         if key not in self._maps:
             rec = self.records[self.resolve(name)]
-            path = self.path / rec[kind]
-            try:
-                # Copy-on-write: slices are writable (torch.from_numpy takes them without a copy
-                # or a warning) and a write lands in private memory, never in the store.
-                arr = np.load(path, mmap_mode="c")
-            except (OSError, ValueError) as exc:
-                raise InputError(f"cannot read {rec[kind]} ({exc})", self.path, rec["name"]) from None
-            if arr.shape != (rec["length"],):
-                raise InputError(f"{rec[kind]} has shape {arr.shape}, manifest says {rec['length']}",
-                                 self.path, rec["name"])
-            self._maps[key] = arr
+            # Copy-on-write: slices are writable (torch.from_numpy takes them without a copy or a
+            # warning) and a write lands in private memory, never in the store.
+            self._maps[key] = check_record_file(self.path, rec, kind, self.manifest)
         return self._maps[key]
 
     def tokens(self, name: str) -> np.ndarray:
@@ -354,11 +414,9 @@ class TokenStore:
                 torch.from_numpy(self.mask(name)[start:end]))
 
     def verify(self) -> None:
-        """Recompute every record's token checksum; raise :class:`InputError` on a mismatch."""
-        for name, rec in self.records.items():
-            digest = hashlib.sha256(memoryview(np.ascontiguousarray(self.tokens(name)))).hexdigest()
-            if digest != rec["tokens_sha256"]:
-                raise InputError("token checksum mismatch: the store is corrupt", self.path, name)
+        """Check every record's files against the manifest (what a stage does on first use)."""
+        for name in self.records:
+            self.tokens(name), self.mask(name)
 
     def __repr__(self) -> str:
         total = sum(r["length"] for r in self.records.values())

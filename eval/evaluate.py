@@ -17,7 +17,9 @@ from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
 from .report import accumulate, score_series, write_report
 from .score import ModelScorer, markov_scorer, truncated
-from .tracking import DEFAULT_EXPERIMENT, abandon_run, log_report, open_run
+from .tracking import (
+    DEFAULT_EXPERIMENT, abandon_run, log_report, open_run, resolve_tracking_uri, retry_locked,
+)
 
 
 def eval_windows(store: TokenStore, windows: str | Path | None, split: str, regions: list[str],
@@ -62,8 +64,10 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     ``track=False`` logs nothing.
     """
     from megabase.model import load_checkpoint, read_checkpoint_config
+    from megabase.pipeline.checkpointing import resolve_checkpoint
 
     started = time.perf_counter()
+    checkpoint = resolve_checkpoint(checkpoint)  # a run folder: its latest checkpoint
     o = (options or EvalConfig()).check()
     out = Path(out) if out else Path(checkpoint) / "eval"
     check_output(out)
@@ -89,7 +93,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
             tracking = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
                             run_name=f"evaluate {Path(checkpoint).name}")
             if run:  # checked now: a wrong run id fails before minutes of scoring
-                open_run(**tracking)
+                retry_locked(lambda: open_run(**tracking), resolve_tracking_uri(uri),
+                             "nothing was scored yet")
     model = load_checkpoint(checkpoint, **({"dsa_stage": o.dsa_stage} if o.dsa_stage else {}))
     store = TokenStore(data)
     # a checkpoint saved outside training records no window length: tiles of one segment
@@ -157,19 +162,34 @@ def check_output(out: Path) -> None:
 def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
     """Write the report files, then log them to MLflow (``tracking``: :func:`open_run` arguments).
 
-    A run is created only now, once the report exists; if logging fails, that run is deleted.
+    The report is on disk before MLflow is asked for anything, so a tracking store that fails or
+    stays locked costs no scoring (:func:`log_saved_report` logs it later). A run is created only
+    then; if logging fails, that run is deleted.
     """
-    target = open_run(**tracking) if tracking else None
-    if target:
-        report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
+    files = write_report(report, out)
+    report["files"] = {k: str(p) for k, p in files.items()}
+    if tracking:
+        log_saved_report(report, out, tracking)
+    return report
+
+
+def log_saved_report(report: dict, out: Path, tracking: dict) -> dict:
+    """Log a report written in ``out`` to MLflow (``tracking``: :func:`open_run` arguments), then
+    record the run in its ``report.json``; waits a while for a locked store (retry_locked)."""
+    uri = resolve_tracking_uri(tracking.get("tracking_uri"))
+    where = "--mlflow-run " + tracking["run_id"] if tracking.get("run_id") else \
+        "--experiment " + str(tracking.get("experiment", DEFAULT_EXPERIMENT))
+    kept = (f"the report is in {out}; log it later with `megabase log {out} --tracking-uri {uri} "
+            f"{where}`")
+    target = retry_locked(lambda: open_run(**{**tracking, "tracking_uri": uri}), uri, kept)
+    report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
     try:
         files = write_report(report, out)
-        report["files"] = {k: str(p) for k, p in files.items()}
-        if target:
-            log_report(report, files, target)
+        retry_locked(lambda: log_report(report, files, target), uri, kept)
     except BaseException:
-        if target:
-            abandon_run(target)
+        abandon_run(target)
+        report.pop("mlflow")
+        write_report(report, out)  # no run named that holds nothing
         raise
     return report
 

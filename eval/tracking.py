@@ -86,6 +86,45 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+LOCK_WAIT_S = 120.0  # how long a command waits for a locked store ($MEGABASE_TRACKING_WAIT_S)
+
+
+class TrackingLockedError(RuntimeError):
+    """The SQLite tracking store stayed locked by another process past the wait; what was
+    computed is on disk, and the message says how to log it later."""
+
+
+def is_locked(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is SQLite's "database is locked"."""
+    while exc is not None:
+        if "database is locked" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def retry_locked(call, uri: str, kept: str, wait_s: float | None = None):
+    """``call()``, tried again while the store at ``uri`` is locked by another process (each try
+    already waits SQLite's busy timeout), for up to ``wait_s`` seconds in all (default
+    :data:`LOCK_WAIT_S`); then :class:`TrackingLockedError` saying what is ``kept`` on disk."""
+    import time
+
+    wait_s = float(os.environ.get("MEGABASE_TRACKING_WAIT_S", LOCK_WAIT_S)) if wait_s is None \
+        else wait_s
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_locked(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise TrackingLockedError(
+                    f"{uri}: the MLflow store is locked by another process (waited "
+                    f"{wait_s:g} s; $MEGABASE_TRACKING_WAIT_S sets how long); {kept}") from None
+            time.sleep(1.0)
+
+
 def _client(uri: str):
     quiet_libraries()
     from mlflow.tracking import MlflowClient

@@ -11,9 +11,17 @@ tile is scored the same way and the two deltas averaged.
 
 from __future__ import annotations
 
+import gzip
+import re
+import shutil
+import tempfile
 import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +31,9 @@ from megabase.data.names import resolve_name
 from megabase.data.vocab import N_BASES, RC_LUT, SEP, tokenize
 
 from .common import check_output_dir, load_model, peak_rss_bytes
+
+if TYPE_CHECKING:
+    import pysam
 
 DEFAULT_WINDOW = 65_536
 SYMBOLIC = ("<", "[", "]", "*", ".")
@@ -58,10 +69,55 @@ class VariantResult:
     peak_rss: int = 0
 
 
+def _header_lines(path: Path, header) -> int:
+    """How many ``#`` lines the VCF text at ``path`` (plain, bgzip or gzip) opens with: the
+    records' line numbers count from there. htslib's own header is no guide, as it adds a
+    ``##FILTER=<ID=PASS>`` line the file may lack; a BCF has no lines and gets its header's."""
+    import gzip
+
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    if magic == b"\x1f\x8b":
+        opener = gzip.open
+    elif magic[:1] == b"#":
+        opener = open
+    else:
+        return len(str(header).splitlines())
+    count = 0
+    with opener(path, "rb") as fh:
+        for line in fh:
+            if not line.startswith(b"#"):
+                break
+            count += 1
+    if opener is gzip.open:
+        with gzip.open(path, "rb") as fh:
+            if fh.read(3) == b"BCF":  # a BCF is gzip too; its header is binary
+                return len(str(header).splitlines())
+    return count
+
+
+@dataclass
+class _Source:
+    """What writing the output VCF needs of the input: its header (completed by htslib with a
+    line for each contig or tag the records use but the file never defined), the parsed records
+    with their VCF line, and the store's length of each contig the file did not define."""
+
+    header: pysam.VariantHeader
+    records: list[tuple[int, pysam.VariantRecord]]
+    lengths: dict[str, int]
+
+
 def read_vcf(path: str | Path, store: TokenStore, multiallelic: str = "split") -> list[Variant]:
     """The alleles of a VCF, checked against the store before anything is scored: one line naming
-    the VCF line for an unknown contig (with ``chr22``<->``22``), a REF that is not the genome's, a
-    symbolic or breakend ALT, or a multi-allelic record with ``multiallelic="refuse"``."""
+    the VCF line for an unknown contig (with ``chr22``<->``22``), a position outside the contig, a
+    REF that is not the genome's, a symbolic or breakend ALT, or a multi-allelic record with
+    ``multiallelic="refuse"``. The VCF may be plain text, bgzip or plain gzip; its header need not
+    list the contigs."""
+    return _read(path, store, multiallelic)[0]
+
+
+def _read(path: str | Path, store: TokenStore, multiallelic: str) -> tuple[list[Variant], _Source]:
+    """:func:`read_vcf`, with what :func:`_write` needs of the input."""
     try:
         import pysam
     except ImportError:
@@ -69,23 +125,28 @@ def read_vcf(path: str | Path, store: TokenStore, multiallelic: str = "split") -
     path = Path(path)
     if not path.is_file():
         raise InputError("no such VCF file", path)
-    try:
-        vcf = pysam.VariantFile(str(path))
-    except (OSError, ValueError) as exc:
-        raise InputError(f"not a readable VCF ({exc})", path) from None
-    first = len(str(vcf.header).splitlines()) + 1
-    out = []
-    with vcf:
+    with _readable(path) as readable, _htslib_errors_only():
         try:
-            records = list(enumerate(vcf, first))
+            vcf = pysam.VariantFile(str(readable))
         except (OSError, ValueError) as exc:
             raise InputError(f"not a readable VCF ({exc})", path) from None
+        header, declared = vcf.header, set(vcf.header.contigs)
+        first = _header_lines(readable, header) + 1
+        with vcf:
+            try:
+                records = list(enumerate(vcf, first))
+            except (OSError, ValueError) as exc:
+                raise InputError(f"not a readable VCF ({exc})", path) from None
+    out, lengths = [], {}
     for line, rec in records:
         where = f"line {line} ({rec.chrom}:{rec.pos})"
         try:
             chrom = resolve_name(rec.chrom, store.names, str(path))
         except InputError as exc:
             raise InputError(f"{where}: {exc.what}", path) from None
+        length = store.length(chrom)
+        if rec.chrom not in declared:
+            lengths[rec.chrom] = length
         alts = list(rec.alts or ())
         if not alts:
             raise InputError(f"{where}: no ALT allele", path)
@@ -94,17 +155,64 @@ def read_vcf(path: str | Path, store: TokenStore, multiallelic: str = "split") -
                              "-m-) or score each allele ({multiallelic} split)", path,
                              options=("multiallelic",))
         ref = rec.ref.upper()
-        genome = store.tokens(chrom)[rec.start : rec.start + len(ref)]
-        if rec.start + len(ref) > store.length(chrom) or not np.array_equal(
-                np.asarray(genome), tokenize(ref)):
-            seen = "".join("ACGTN"[min(int(t), 4)] for t in np.asarray(genome))
+        if not 1 <= rec.pos <= length:
+            raise InputError(f"{where}: position {rec.pos:,} is outside {chrom} (1..{length:,})",
+                             path)
+        if rec.start + len(ref) > length:
+            raise InputError(f"{where}: REF of {len(ref):,} bases runs past the end of {chrom} "
+                             f"(1..{length:,})", path)
+        genome = np.asarray(store.tokens(chrom)[rec.start : rec.start + len(ref)])
+        if not np.array_equal(genome, tokenize(ref)):
+            seen = "".join("ACGTN"[min(int(t), 4)] for t in genome)
             raise InputError(f"{where}: REF {ref} does not match the genome ({seen})", path)
         for i, alt in enumerate(alts, 1):
             if alt.startswith(SYMBOLIC) or not set(alt.upper()) <= set("ACGTN"):
                 raise InputError(f"{where}: ALT {alt!r} is symbolic or a breakend; only "
                                  "sequence alleles (SNVs, indels) are scored", path)
             out.append(Variant(chrom, rec.start, ref, alt.upper(), line, i, rec.id or "."))
-    return out
+    return out, _Source(header, records, lengths)
+
+
+def _is_plain_gzip(path: Path) -> bool:
+    """gzip but not bgzip: a bgzip block is a gzip member whose extra field holds a ``BC`` subfield
+    (SAM/BAM spec, BGZF), which is what htslib needs to read it."""
+    with open(path, "rb") as fh:
+        head = fh.read(14)
+    is_gzip = head[:2] == b"\x1f\x8b"
+    is_bgzf = len(head) == 14 and bool(head[3] & 4) and head[12:14] == b"BC"
+    return is_gzip and not is_bgzf
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[Path]:
+    """``path`` as htslib can read it: itself, or for plain gzip (which htslib cannot open: pysam
+    seeks in it) a decompressed copy in a temporary folder that is removed when the block ends,
+    however it ends."""
+    if not _is_plain_gzip(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="megabase-vcf-") as tmp:
+        copy = Path(tmp) / "input.vcf"
+        try:
+            with gzip.open(path, "rb") as src, open(copy, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise InputError(f"not a readable gzip file ({exc})", path) from None
+        yield copy
+
+
+@contextmanager
+def _htslib_errors_only() -> Iterator[None]:
+    """Silence htslib's warnings while a VCF is read: for a contig or tag the header does not
+    define it warns per record and advises indexing with tabix, but the records read fine and the
+    output header gets the missing lines (:func:`_write`), so the advice would only mislead."""
+    import pysam
+
+    before = pysam.set_verbosity(1)
+    try:
+        yield
+    finally:
+        pysam.set_verbosity(before)
 
 
 def _logp(logits: torch.Tensor, targets: np.ndarray) -> np.ndarray:
@@ -167,7 +275,7 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
         raise InputError("{multiallelic} must be split or refuse", options=("multiallelic",))
     started = time.perf_counter()
     store = TokenStore(data)
-    variants = read_vcf(vcf, store, multiallelic)
+    variants, source = _read(vcf, store, multiallelic)
     if out is not None:
         out = check_output_dir(Path(out))
     model = load_model(checkpoint, dsa_stage)
@@ -189,37 +297,55 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
             bar.update(len(members))
     result = VariantResult(variants, len(tiles))
     if out is not None:
-        result.files = _write(out, vcf, variants, window, both_strands)
+        result.files = _write(out, source, variants, window, both_strands)
     result.seconds, result.peak_rss = time.perf_counter() - started, peak_rss_bytes()
     return result
 
 
-def _write(out: Path, vcf: str | Path, variants: list[Variant], window: int,
+# a contig line htslib adds to a header for a record whose contig the file did not define
+_BARE_CONTIG = re.compile(r"^##contig=<ID=([^,>]+)>$")
+
+
+def _write(out: Path, source: _Source, variants: list[Variant], window: int,
            both_strands: bool) -> dict[str, str]:
+    """``variants.tsv`` and ``variants.vcf.gz`` (bgzip), both or neither: each is written to a
+    temporary sibling, removed on any error, and both are renamed into place at the end.
+
+    The VCF is written as text, not through htslib's writer: a record read against a header that
+    lacked its contig or a tag carries an error flag that makes htslib end the process (not
+    raise) when it is written, leaving the temporary file behind. Contigs the input did not
+    define get a ``##contig`` line with the store's length, so the output is indexable."""
     import pysam
 
-    from megabase.data.atomic import write_atomic, writing
+    from megabase.data.atomic import writing
 
     rows = ["#chrom\tpos\tid\tref\talt\tvcf_line\tllr_fwd\tllr_rev\tllr"]
     for v in variants:
         rows.append(f"{v.chrom}\t{v.pos + 1}\t{v.id}\t{v.ref}\t{v.alt}\t{v.line}\t"
                     f"{v.delta_fwd:.6g}\t{v.delta_rev:.6g}\t{v.delta:.6g}")
-    tsv = write_atomic(out / "variants.tsv", ("\n".join(rows) + "\n").encode())
     by_line: dict[int, list[float]] = {}
     for v in variants:
         by_line.setdefault(v.line, []).append(v.delta)
-    with pysam.VariantFile(str(vcf)) as src:
-        header = src.header.copy()
-        strands = "both strands averaged" if both_strands else "forward strand"
-        header.add_meta("INFO", items=[
-            ("ID", "MB_LLR"), ("Number", "A"), ("Type", "Float"),
-            ("Description", f"megabase: log p(alt window) - log p(ref window), nats, {window:,}-base "
-                            f"windows, {strands}")])
-        first = len(str(src.header).splitlines()) + 1
-        with writing(out / "variants.vcf.gz") as tmp:
-            with pysam.VariantFile(str(tmp), "wz", header=header) as dst:
-                for line, rec in enumerate(src, first):
-                    rec.translate(header)
-                    rec.info["MB_LLR"] = [round(x, 6) for x in by_line[line]]
-                    dst.write(rec)
-    return {"tsv": str(tsv), "vcf": str(out / "variants.vcf.gz")}
+    header = source.header
+    strands = "both strands averaged" if both_strands else "forward strand"
+    header.add_meta("INFO", items=[
+        ("ID", "MB_LLR"), ("Number", "A"), ("Type", "Float"),
+        ("Description", f"megabase: log p(alt window) - log p(ref window), nats, {window:,}-base "
+                        f"windows, {strands}")])
+    lines = []
+    for line in str(header).splitlines():
+        bare = _BARE_CONTIG.match(line)
+        if bare and bare.group(1) in source.lengths:
+            line = f"##contig=<ID={bare.group(1)},length={source.lengths[bare.group(1)]}>"
+        lines.append(line + "\n")
+    tsv, vcf = out / "variants.tsv", out / "variants.vcf.gz"
+    # the VCF, the one more likely to fail (the larger, written last), is renamed first, so that
+    # its failure also takes the finished TSV's temporary away
+    with writing(tsv) as tsv_tmp, writing(vcf) as vcf_tmp:
+        tsv_tmp.write_bytes(("\n".join(rows) + "\n").encode())
+        with pysam.BGZFile(str(vcf_tmp), "wb") as dst:
+            dst.write("".join(lines).encode())
+            for line, rec in source.records:
+                rec.info["MB_LLR"] = [round(x, 6) for x in by_line[line]]
+                dst.write(str(rec).encode())
+    return {"tsv": str(tsv), "vcf": str(vcf)}

@@ -7,6 +7,7 @@ Ctrl-C exits with 130. Heavy imports (torch, datasets) happen inside the subcomm
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import signal
 import sys
@@ -113,6 +114,28 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         split=args.split, progress=not args.quiet, mlflow_run=args.mlflow_run,
         experiment=args.experiment, tracking_uri=args.tracking_uri, track=not args.no_mlflow)
     summary.print_report(report)
+
+
+def cmd_log(args: argparse.Namespace) -> None:
+    from megabase.eval.evaluate import log_saved_report
+    from megabase.eval.tracking import DEFAULT_EXPERIMENT
+
+    out = Path(args.report)
+    path = out / "report.json" if out.is_dir() else out
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError("no report.json here (a folder `megabase evaluate` wrote)", out) from None
+    except ValueError as exc:
+        raise InputError(f"is not a megabase report ({exc})", path) from None
+    if not isinstance(report, dict) or "bins" not in report:
+        raise InputError("is not a megabase report (it has no context bins)", path)
+    tracking = dict(tracking_uri=args.tracking_uri, run_id=args.mlflow_run,
+                    experiment=args.experiment or DEFAULT_EXPERIMENT,
+                    run_name=f"evaluate {Path(str(report.get('checkpoint', out))).name}")
+    report = log_saved_report(report, path.parent, tracking)
+    m = report["mlflow"]
+    print(f"logged {path} to MLflow run {m['run_id']} ({m['tracking_uri']})")
 
 
 def cmd_baseline(args: argparse.Namespace) -> None:
@@ -258,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mlflow", action="store_true", help="log nothing to MLflow")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("log", help="a report written earlier -> MLflow (e.g. after the store "
+                       "was locked)")
+    p.add_argument("report", help="report folder (or its report.json)")
+    _tracking_flags(p)
+    p.add_argument("--mlflow-run", metavar="RUN_ID", help="log it to this run (default: a new run "
+                   "of --experiment)")
+    p.set_defaults(func=cmd_log)
 
     p = sub.add_parser("score", help="checkpoint + regions -> per-base surprisal tracks "
                        "(bedGraph, bigWig)")
@@ -439,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # disk full, read-only folder, name too long, file-size limit...
         print(f"megabase {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        from megabase.eval.tracking import TrackingLockedError, is_locked
+
+        if not isinstance(exc, TrackingLockedError) and not is_locked(exc):
+            raise
+        print(f"megabase {args.command}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 3
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

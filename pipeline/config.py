@@ -421,6 +421,44 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+# What a resumed run may set otherwise than it was started with: how long it runs, on how many
+# ranks (batch_size is the global batch: the same data at any world size), with which memory
+# knobs, how it is evaluated and tracked. Anything else changes the model or the data it is fed.
+RESUMABLE = {"train.steps", "train.max_minutes", "train.checkpoint_every", "train.num_workers",
+             "train.recompute", "train.offload", "train.trim_heap", "train.devices",
+             "train.num_nodes", "train.context_parallel", "tracking.experiment",
+             "tracking.run_name"}
+
+
+def resume_differences(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """``(refused, allowed)``: ``key: old -> new`` lines where ``cfg`` differs from a run's saved
+    ``config.yaml`` (``saved``, as loaded). Keys a run saved before they existed are not compared;
+    ``eval.*`` and :data:`RESUMABLE` may change, and so may kernel choices in model.overrides."""
+    from megabase.model.config import RUNTIME_FIELDS
+
+    refused, allowed = [], []
+
+    def walk(prefix: str, old, new) -> None:
+        if prefix == "model.overrides":
+            old, new = dict(old or {}), dict(new or {})
+            for key in RUNTIME_FIELDS:
+                old.pop(key, None), new.pop(key, None)
+            if old != new:
+                refused.append(f"{prefix}: {old} -> {new}")
+            return
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in old:
+                if key in new:
+                    walk(f"{prefix}.{key}" if prefix else key, old[key], new[key])
+            return
+        if old != new:
+            line = f"{prefix}: {old!r} -> {new!r}"
+            (allowed if prefix in RESUMABLE or prefix.startswith("eval.") else refused).append(line)
+
+    walk("", saved, cfg.to_dict())
+    return refused, allowed
+
+
 def model_config(cfg: RunConfig):
     """The run's ModelConfig: its preset and overrides, or with ``train.init_from`` the model that
     checkpoint holds (and the overrides, which may only choose kernels and the DSA stage)."""

@@ -32,19 +32,31 @@ class RunResult:
 
 
 def run(cfg: RunConfig, progress: bool = True) -> RunResult:
-    """The whole job (see module docs); returns where everything is."""
-    from megabase.eval.evaluate import evaluate
-    from megabase.model import read_checkpoint_config
+    """The whole job (see module docs); returns where everything is. The run folder is locked
+    throughout: a second ``megabase run`` of the same config is refused, naming the first."""
+    from megabase.data.locks import holding
 
-    from .checkpointing import latest_checkpoint, saved_step
-    from .train import train
-    from .workdir import ensure_store, ensure_windows, run_dir, windows_path
+    from .workdir import run_dir
 
     if cfg.train.devices * cfg.train.num_nodes > 1:
         raise InputError("megabase run trains in one process; for several devices run `megabase "
                          "train --devices N` and then `megabase evaluate` on its checkpoint")
     started = time.perf_counter()
     check_init_from(cfg)
+    with holding(run_dir(cfg), f"run {cfg.name!r}"):  # one `megabase run` per run folder
+        return _run(cfg, progress, started)
+
+
+def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
+    from megabase.eval.evaluate import evaluate
+    from megabase.model import read_checkpoint_config
+
+    from .checkpointing import latest_checkpoint, saved_step
+    from .train import check_resume, train
+    from .workdir import ensure_store, ensure_windows, run_dir, windows_path
+
+    if latest_checkpoint(run_dir(cfg), fallback=True) is not None:
+        check_resume(run_dir(cfg), cfg)  # before anything of this run is written
     stages = {}
     store, prepared = ensure_store(cfg, progress)
     stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"

@@ -8,6 +8,7 @@ Layout of a run, under ``WORKDIR/runs/NAME``: ``config.yaml`` (resolved), ``trai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
 
 from megabase.data.atomic import write_atomic
 from megabase.data.errors import InputError
@@ -65,6 +67,35 @@ class TrainingStream(torch.utils.data.Sampler[int]):
             k += 1
 
 
+class PatientMLFlowLogger(MLFlowLogger):
+    """Lightning's MLflow logger that waits for a store another process holds locked (a
+    notebook, `mlflow ui`, a second run) instead of ending the training at its first step; past
+    the wait it stops with one line saying what is ``kept``."""
+
+    def __init__(self, kept: str, **kwargs):
+        super().__init__(**kwargs)
+        self._kept = kept
+
+    def log_metrics(self, metrics, step=None) -> None:
+        from megabase.eval.tracking import retry_locked
+
+        retry_locked(lambda: super(PatientMLFlowLogger, self).log_metrics(metrics, step),
+                     self._tracking_uri, self._kept)
+
+    def finalize(self, status: str = "success") -> None:
+        from megabase.eval.tracking import is_locked, retry_locked
+
+        if status != "success":  # the training already failed: its error is the one to report
+            try:
+                super().finalize(status)
+            except Exception as exc:
+                if not is_locked(exc):
+                    raise
+            return
+        retry_locked(lambda: super(PatientMLFlowLogger, self).finalize(status),
+                     self._tracking_uri, self._kept)
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -81,13 +112,31 @@ class TrainResult:
 
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
     """Train ``cfg`` to ``cfg.train.steps`` optimizer steps; with ``resume``, continue the run from
-    its latest checkpoint (same per-step losses as an uninterrupted run on CPU in fp32)."""
-    from lightning.pytorch.callbacks import TQDMProgressBar
-    from lightning.pytorch.loggers import MLFlowLogger
+    its latest checkpoint (same per-step losses as an uninterrupted run on CPU in fp32). The run
+    folder is locked while it trains: a second process on it is refused, naming the first."""
     from lightning.pytorch.utilities import rank_zero_only
 
+    from megabase.data.locks import holding
+
+    from .workdir import run_dir
+
+    started = time.perf_counter()
+    check_init_from(cfg)
+    out = run_dir(cfg)
+    zero = rank_zero_only.rank == 0  # only rank 0 writes files and talks to MLflow
+    # one writer per run folder: the ranks it starts are its own (and hold no lock)
+    with holding(out, f"run {cfg.name!r}") if zero else contextlib.nullcontext():
+        return _train(cfg, out, zero, resume, progress, started)
+
+
+def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
+           started: float) -> TrainResult:
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
     from megabase.data import WindowDataset
-    from megabase.eval.tracking import experiment_id, quiet_libraries, resolve_tracking_uri
+    from megabase.eval.tracking import (
+        experiment_id, quiet_libraries, resolve_tracking_uri, retry_locked,
+    )
     from megabase.model import build_model, load_checkpoint, read_checkpoint_config
 
     from .checkpointing import (
@@ -96,13 +145,10 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     )
     from .distributed import trainer_kwargs
     from .lit import LitLM, StepLog
-    from .workdir import ensure_windows, open_store, run_dir
+    from .workdir import ensure_windows, open_store
 
-    started = time.perf_counter()
-    check_init_from(cfg)
     store = open_store(cfg)
     bed = ensure_windows(cfg, store)
-    out = run_dir(cfg)
     ckpt = latest_checkpoint(out, fallback=resume)
     if ckpt is not None and not resume:
         raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
@@ -110,12 +156,12 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     start_step, run_id = 0, None
     if ckpt is not None:
+        check_resume(out, cfg)
         state, ckpt = resumable_state(out, ckpt)
         start_step = int(state["global_step"])
         check_data_position(ckpt, state, start_step * per_step, cfg.train.seed)
         run_id = read_checkpoint_config(ckpt).get("mlflow", {}).get("run_id")
     out.mkdir(parents=True, exist_ok=True)
-    zero = rank_zero_only.rank == 0  # only rank 0 writes files and talks to MLflow
     if zero:
         write_atomic(out / "config.yaml", dump_config(cfg).encode())
 
@@ -125,12 +171,18 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
 
     logger = False
     if zero:
-        experiment_id(MlflowClient(uri), uri, cfg.tracking.experiment)  # artifacts beside the db
-        logger = MLFlowLogger(experiment_name=cfg.tracking.experiment,
-                              run_name=cfg.tracking.run_name or cfg.name, tracking_uri=uri,
-                              run_id=run_id, tags={"megabase.kind": "train"})
-        if run_id is None:
-            logger.log_hyperparams(flat_params(cfg))
+        def start_run(run_id=run_id):
+            experiment_id(MlflowClient(uri), uri, cfg.tracking.experiment)  # artifacts beside db
+            logger = PatientMLFlowLogger(
+                kept=f"the checkpoints in {out / 'checkpoints'} stay: continue with "
+                     "`megabase train --resume` (or `megabase run`) once it is free",
+                experiment_name=cfg.tracking.experiment, run_name=cfg.tracking.run_name or cfg.name,
+                tracking_uri=uri, run_id=run_id, tags={"megabase.kind": "train"})
+            if run_id is None:
+                logger.log_hyperparams(flat_params(cfg))
+            return logger
+
+        logger = retry_locked(start_run, uri, "nothing was trained")
         run_id = logger.run_id
 
     t = cfg.train
@@ -175,15 +227,41 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     if not trainer.is_global_zero:
         return TrainResult(out, final, steps, lit.history, uri, "", time.perf_counter() - started,
                            start_step, is_global_zero=False)
-    client = MlflowClient(uri)
-    client.set_tag(run_id, "megabase.checkpoint", str(final))
-    client.log_dict(run_id, {"checkpoint": str(final), "step": steps}, "checkpoint.json")
-    for path in (out / "config.yaml", store.path / "manifest.json"):
-        if path.is_file():
-            client.log_artifact(run_id, str(path))
+    def record_checkpoint():
+        client = MlflowClient(uri)
+        client.set_tag(run_id, "megabase.checkpoint", str(final))
+        client.log_dict(run_id, {"checkpoint": str(final), "step": steps}, "checkpoint.json")
+        for path in (out / "config.yaml", store.path / "manifest.json"):
+            if path.is_file():
+                client.log_artifact(run_id, str(path))
+
+    retry_locked(record_checkpoint, uri, f"the trained checkpoint {final} stays: evaluate it "
+                 f"with `megabase evaluate --checkpoint {out}` once it is free")
     return TrainResult(out, final, steps, lit.history, uri, run_id,
                        time.perf_counter() - started, start_step,
                        planned_steps=t.steps if steps < t.steps else None)
+
+
+def check_resume(out: Path, cfg: RunConfig) -> None:
+    """A resume keeps what makes the run one run: settings that change the model or its data
+    stream refuse in one line listing what differs; the others (steps, minutes, evaluation...)
+    are what the new ``config.yaml`` records."""
+    import yaml
+
+    from .config import resume_differences
+
+    path = out / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise InputError(f"cannot read the run's config ({exc})", path) from None
+    refused, _ = resume_differences(saved if isinstance(saved, dict) else {}, cfg)
+    if refused:
+        raise InputError(f"run {cfg.name!r} was started with other settings ({'; '.join(refused)}); "
+                         "resume it with its own, or set another name (--set name=...) to start a "
+                         "new run", path)
 
 
 def check_data_position(ckpt: Path, state: dict, expected: int, seed: int) -> None:

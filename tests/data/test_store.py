@@ -59,6 +59,47 @@ def test_manifest_contract(umaydis_store, umaydis):
         assert {"name", "length", "n_count", "softmasked", "tokens_sha256"} <= set(rec)
 
 
+@pytest.mark.parametrize("kind", ["plain", "gzip", "gzip-members-and-padding"])
+def test_source_sha256_is_of_the_file_bytes_from_the_one_read(tmp_path, monkeypatch, kind):
+    import gzip
+    import hashlib
+
+    text = b">chr1 first\nACGTNacgtn\nAC\n>chr2\nGGGG\n"
+    data = {"plain": text, "gzip": gzip.compress(text),
+            "gzip-members-and-padding": gzip.compress(text[:15]) + gzip.compress(text[15:])
+            + b"\0" * 600}[kind]
+    fasta = tmp_path / ("g.fa" if kind == "plain" else "g.fa.gz")
+    fasta.write_bytes(data)
+
+    def second_read(path):
+        raise AssertionError(f"{path} read a second time for its checksum")
+
+    monkeypatch.setattr(store_mod, "file_sha256", second_read)
+    result = prepare(fasta, tmp_path / "s", progress=False)
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["source"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert [(r["name"], r["length"], r["n_count"], r["gc_count"], r["softmasked"])
+            for r in result.records] == [("chr1", 12, 2, 5, 4), ("chr2", 4, 0, 4, 0)]
+
+
+def test_a_fasta_that_changes_while_read_leaves_no_store(tmp_path, monkeypatch):
+    fasta = tmp_path / "g.fa"
+    fasta.write_text(">chr1\nACGT\n>chr2\nGGGG\n")
+    read_fasta = store_mod.read_fasta
+
+    def growing(*args, **kwargs):
+        for i, rec in enumerate(read_fasta(*args, **kwargs)):
+            if i == 0:
+                with open(fasta, "a") as fh:  # another program still writing it
+                    fh.write(">chr3\nTTTT\n")
+            yield rec
+
+    monkeypatch.setattr(store_mod, "read_fasta", growing)
+    with pytest.raises(InputError, match="changed while it was being read"):
+        prepare(fasta, tmp_path / "s", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.fa"]
+
+
 def test_rerun_is_a_no_op_and_source_change_rebuilds(tmp_path):
     fasta = tmp_path / "g.fa"
     fasta.write_text(">chr1\nACGTACGTNN\n>chr2\nacgtAC\n")

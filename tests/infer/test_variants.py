@@ -97,7 +97,7 @@ def test_bad_records_name_the_vcf_line_and_write_nothing(checkpoint, bundled_sto
     assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(store.path), "--vcf",
                  str(vcf), "--multiallelic", "refuse", "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and "line 9" in err and len(err.splitlines()) == 1
+    assert message in err and "line 8" in err and len(err.splitlines()) == 1  # 6 header lines
     assert not out.exists()
 
 
@@ -108,3 +108,115 @@ def test_contig_aliases_resolve_and_multiallelic_records_split(bundled_store, tm
                                                              ("chr22", 9, 3)]
     with pytest.raises(InputError, match="window must be at least 16"):
         score_variants("unused", bundled_store.path, vcf, window=8)
+
+
+def test_a_plain_gzip_vcf_is_read_from_a_copy_that_is_removed(checkpoint, bundled_store, tmp_path,
+                                                              monkeypatch, capsys):
+    import gzip
+    import tempfile
+
+    import pysam
+
+    temps = tmp_path / "tmp"
+    temps.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temps))
+    plain = _vcf(tmp_path, bundled_store, [("chr22", 50, None, "A"), ("22", 70, None, "C,G")])
+    packed = tmp_path / "v.vcf.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))  # gzip, not bgzip
+    seen = lambda vs: [(v.chrom, v.pos, v.ref, v.alt, v.line) for v in vs]  # noqa: E731
+    assert seen(read_vcf(packed, bundled_store)) == seen(read_vcf(plain, bundled_store))
+    out = tmp_path / "o"
+    assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--vcf", str(packed), "--window", "16", "--out", str(out), "--quiet"]) == 0
+    with pysam.VariantFile(str(out / "variants.vcf.gz")) as f:
+        assert [len(r.info["MB_LLR"]) for r in f] == [1, 2]
+    assert list(temps.iterdir()) == []
+    capsys.readouterr()
+    packed.write_bytes(gzip.compress(plain.read_bytes())[:-20])  # cut short
+    assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--vcf", str(packed), "--out", str(out / "again"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a readable gzip file" in err and len(err.splitlines()) == 1
+    assert list(temps.iterdir()) == []
+
+
+@pytest.mark.parametrize("contigs", ["", "##contig=<ID=chr01,length=2476500>\n"],
+                         ids=["no contig lines", "one of two"])
+def test_contigs_the_header_lacks_get_lines_in_the_output(checkpoint, bundled_store, tmp_path,
+                                                          contigs):
+    """Run in a process of its own: writing such records through htslib used to end the process
+    (htslib calls exit), leaving a temporary file in the output folder."""
+    import os
+    import subprocess
+    import sys
+
+    import pysam
+
+    header = ("##fileformat=VCFv4.2\n" + contigs +
+              "#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n")
+    base = lambda name, pos: "ACGTN"[int(bundled_store.tokens(name)[pos - 1])]  # noqa: E731
+    vcf = tmp_path / "v.vcf"
+    vcf.write_text(header + f"22\t50\t.\t{base('chr22', 50)}\tA\t.\tq10\tDP=5\n"
+                   f"chr01\t30\t.\t{base('chr01', 30)}\tC\t.\t.\t.\n")
+    out = tmp_path / "o"
+    run = subprocess.run(
+        [sys.executable, "-m", "megabase.pipeline.cli", "variants", "--checkpoint", str(checkpoint),
+         "--data", str(bundled_store.path), "--vcf", str(vcf), "--window", "16", "--out", str(out),
+         "--quiet"], capture_output=True, text=True, env=os.environ, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Contig" not in run.stderr and "tabix" not in run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["variants.tsv", "variants.vcf.gz"]
+    with pysam.VariantFile(str(out / "variants.vcf.gz")) as f:
+        lengths = {name: c.length for name, c in f.header.contigs.items()}
+        recs = list(f)
+    assert lengths == {"22": bundled_store.length("chr22"), "chr01": bundled_store.length("chr01")}
+    assert [(r.chrom, r.pos, len(r.info["MB_LLR"])) for r in recs] == [("22", 50, 1),
+                                                                       ("chr01", 30, 1)]
+    assert recs[0].info["DP"] == "5" and list(recs[0].filter) == ["q10"]
+
+
+def test_a_failed_write_leaves_nothing_in_the_output_folder(checkpoint, bundled_store, tmp_path,
+                                                            monkeypatch, capsys):
+    import errno
+    from contextlib import contextmanager
+    from pathlib import Path
+
+    from megabase.data import atomic
+
+    real = atomic.writing
+
+    @contextmanager
+    def disk_full_at_the_vcf(path):
+        with real(path) as tmp:
+            yield tmp
+            if Path(path).name == "variants.vcf.gz":
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
+    monkeypatch.setattr(atomic, "writing", disk_full_at_the_vcf)
+    vcf = _vcf(tmp_path, bundled_store, [("chr22", 50, None, "A")])
+    out = tmp_path / "o"
+    assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--vcf", str(vcf), "--window", "16", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "No space left on device" in err and len(err.splitlines()) == 1
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("pos,ref,message", [
+    (0, "A", "position 0 is outside chr22 (1..{n:,})"),
+    ("n+1", "A", "position {n1:,} is outside chr22 (1..{n:,})"),
+    ("n", "genome+A", "REF of 2 bases runs past the end of chr22 (1..{n:,})"),
+], ids=["position 0", "past the end", "REF past the end"])
+def test_positions_outside_the_contig_say_so(checkpoint, bundled_store, tmp_path, capsys, pos, ref,
+                                             message):
+    n = bundled_store.length("chr22")
+    pos = {"n": n, "n+1": n + 1}.get(pos, pos)
+    if ref == "genome+A":
+        ref = "ACGTN"[int(bundled_store.tokens("chr22")[n - 1])] + "A"
+    vcf = _vcf(tmp_path, bundled_store, [("chr22", pos, ref, "G")])
+    out = tmp_path / "o"
+    assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--vcf", str(vcf), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(n=n, n1=n + 1) in err and len(err.splitlines()) == 1
+    assert "does not match" not in err and not out.exists()

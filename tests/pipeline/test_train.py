@@ -214,7 +214,7 @@ def test_resume_with_another_batch_shape_is_refused(bundled_store, tmp_path, cap
     capsys.readouterr()
     assert main(["train", *tiny(tmp_path, bundled_store, 4), "--set", "train.grad_accum=2",
                  "--resume", "--quiet"]) == 2
-    assert "resume with the batch size" in capsys.readouterr().err
+    assert "train.grad_accum: 1 -> 2" in capsys.readouterr().err  # the resume check names it
 
 
 def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, tmp_path, capsys,

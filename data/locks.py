@@ -1,0 +1,112 @@
+"""Advisory locks between megabase processes: a run folder has one writer, a store one builder.
+
+A lock is ``fcntl.flock`` on a small file beside what it guards (``.<name>.lock``) that holds the
+holder's pid and command, so the one refused can say who holds it. The kernel drops the lock when
+its holder exits, however it exits (a SIGKILL or a crash leaves no stale lock, only a file that
+the next holder takes over); a holder that ends normally removes the file. Locks are reentrant
+within a process, because ``megabase run`` holds its run's lock around ``train``, which takes it
+too.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import InputError
+
+_held: dict[str, tuple[int, int]] = {}  # lock path -> (fd, depth) held by this process
+
+
+def lock_path(path: str | Path) -> Path:
+    """``parent/.<name>.lock``: the lock file of ``path`` (which need not exist yet)."""
+    path = Path(path)
+    return path.parent / f".{path.name}.lock"
+
+
+def _holder(lock: Path) -> str:
+    try:
+        text = lock.read_text().strip()
+    except OSError:
+        text = ""
+    pid, _, command = text.partition(" ")
+    return f"process {pid} ({command})" if pid.isdigit() else "another process"
+
+
+@contextmanager
+def holding(path: str | Path, what: str, wait: bool = False,
+            poll_s: float = 0.5) -> Iterator[Path]:
+    """Hold the lock of ``path`` for the block.
+
+    Args:
+        path: what is guarded (a run folder, a store); its lock file is :func:`lock_path`.
+        what: how the error names it, e.g. ``"run 'demo'"``.
+        wait: wait for the holder to finish (a store build: the second one then finds the store
+            up to date) instead of refusing at once (a run: two writers would interleave steps).
+        poll_s: seconds between tries while waiting.
+
+    Raises:
+        InputError: without ``wait``, when another process holds the lock; it names the holder.
+    """
+    lock = lock_path(path)
+    key = str(lock.resolve()) if lock.parent.exists() else str(lock.absolute())
+    if key in _held:
+        fd, depth = _held[key]
+        _held[key] = (fd, depth + 1)
+        try:
+            yield lock
+        finally:
+            fd, depth = _held[key]
+            _held[key] = (fd, depth - 1)
+        return
+    try:
+        fd = _acquire(lock, what, path, wait, poll_s)
+    except OSError as exc:
+        if not wait or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        yield lock  # read-only storage: nothing can be built there for a lock to guard
+        return
+    _held[key] = (fd, 1)
+    try:
+        yield lock
+    finally:
+        del _held[key]
+        lock.unlink(missing_ok=True)  # before the release: a waiter then finds its file gone
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float) -> int:
+    """A descriptor of ``lock`` holding its flock, with this process written in it. The file
+    is removed on release, so a lock is only good on the file still at that path: a waiter
+    that wins on a removed file opens the new one and tries again."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    told = False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if not wait:
+                raise InputError(f"{what} is in use by {_holder(lock)}; wait for it to end or "
+                                 "choose another name", path) from None
+            if not told:
+                print(f"{path}: waiting for {_holder(lock)}, which holds {what}", file=sys.stderr)
+                told = True
+            time.sleep(poll_s)
+            continue
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {' '.join(['megabase', *sys.argv[1:2]])}\n".encode())
+            return fd
+        os.close(fd)
