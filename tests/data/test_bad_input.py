@@ -230,8 +230,20 @@ def test_a_file_size_limit_during_prepare_is_one_line_and_leaves_nothing(tmp_pat
                           capture_output=True, text=True, preexec_fn=limit)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-2000:]
-    assert "File too large" in err
+    assert "File too large" in err and "a.tokens.npy: File too large" in err  # names the file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.fa"]
+
+
+def test_a_write_error_without_a_file_name_gets_the_one_being_written(tmp_path):
+    import errno
+
+    from megabase.data.atomic import writing
+
+    target = tmp_path / "report.json"
+    with pytest.raises(OSError) as exc:
+        with writing(target):
+            raise OSError(errno.ENOSPC, "No space left on device")  # what a full disk raises
+    assert exc.value.filename == str(target) and list(tmp_path.iterdir()) == []
 
 
 def test_prepare_replaces_only_what_megabase_wrote(tmp_path, capsys, umaydis):
