@@ -137,3 +137,24 @@ def paired_gain(base: BinAccumulator, other: BinAccumulator, n_boot: int = 1000,
             row[name] = entry
         rows.append(row)
     return rows
+
+
+def pooled(acc: BinAccumulator, lo: int) -> BinAccumulator:
+    """``acc`` with two bins: context ``[0, e)`` and ``[e, end)``, ``e`` the first edge >= ``lo``
+    (so a control's limit that is not an edge pools the bins that lie wholly beyond it)."""
+    e = next((x for x in acc.edges[1:-1] if x >= lo), None)
+    if e is None:
+        raise ValueError(f"no bin starts at or beyond {lo} (edges {acc.edges})")
+    i = acc.edges.index(e)
+    out = BinAccumulator([0, e, acc.edges[-1]])
+    for nats, counts in zip(acc.nats, acc.counts):
+        out.nats.append(np.stack([nats[:i].sum(0), nats[i:].sum(0)]))
+        out.counts.append(np.stack([counts[:i].sum(0), counts[i:].sum(0)]))
+    return out
+
+
+def gain_beyond(full: BinAccumulator, control: BinAccumulator, lo: int, n_boot: int = 1000,
+                seed: int = 0) -> dict:
+    """:func:`paired_gain` of ``control`` over ``full`` pooled over every bin beyond ``lo``: one
+    row ``{context_lo, context_hi, all, unique, repeat}``."""
+    return paired_gain(pooled(full, lo), pooled(control, lo), n_boot, seed)[1]

@@ -43,6 +43,13 @@ class EvalConfig:
     train: list[str] = field(default_factory=list, metadata=_help(
         "records/regions the Markov baselines are fitted on; empty: the checkpoint's run's "
         "(a run: data.train)"))
+    copy: bool = field(default=True, metadata=_help(
+        "the copy-model reference (Markov chains mixed with copy models of the window) on the "
+        "same windows and under the same context limits as the controls"))
+    copy_orders: list[int] = field(default_factory=lambda: [2, 4, 8, 12], metadata=_help(
+        "Markov orders the copy-model reference mixes (fitted on the training regions)"))
+    copy_seeds: list[int] = field(default_factory=lambda: [12, 16, 20], metadata=_help(
+        "seed lengths of its copy models (each forward and reverse complement)"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
     dsa_stage: str | None = field(default=None, metadata=_help(
         "the DSA indexer's candidate stage to score with: exact (every earlier key), max or "
@@ -72,6 +79,8 @@ class EvalConfig:
             if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_ORDER:
                 raise InputError(f"{{baselines}} must be Markov orders 0..{MAX_ORDER}, got {k}",
                                  options=("baselines",))
+        if self.copy:
+            self.copy_spec()
         from megabase.model.config import STAGES
 
         if self.dsa_stage is not None and self.dsa_stage not in STAGES:
@@ -88,3 +97,17 @@ class EvalConfig:
                 raise InputError(f"{{{name}}} must be a positive integer, got {value}",
                                  options=(name,))
         return self
+
+    def copy_spec(self):
+        """The copy-model reference's :class:`~megabase.eval.copymodel.CopySpec`."""
+        from .copymodel import CopySpec
+
+        for name in ("copy_orders", "copy_seeds"):
+            if any(not isinstance(v, int) or isinstance(v, bool) for v in getattr(self, name)):
+                raise InputError(f"{{{name}}} must be integers, got {getattr(self, name)}",
+                                 options=(name,))
+        try:
+            return CopySpec(orders=tuple(self.copy_orders), seeds=tuple(self.copy_seeds)).check()
+        except ValueError as err:
+            name = "copy_orders" if "order" in str(err) else "copy_seeds"
+            raise InputError(f"{{{name}}}: {err}", options=(name,)) from None

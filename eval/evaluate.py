@@ -11,8 +11,9 @@ import numpy as np
 from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import parse_region
 
-from .bins import check_edges, default_edges, paired_gain
+from .bins import check_edges, default_edges, gain_beyond, paired_gain
 from .config import EvalConfig
+from .copymodel import CopyModel, CopySpec
 from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
 from .report import accumulate, score_series, write_report
@@ -45,6 +46,41 @@ def fit_markov(store: TokenStore, order: int, train: list[str]) -> MarkovModel:
     for tokens in region_tokens(store, train):
         model.fit(tokens)
     return model
+
+
+def copy_reference(store: TokenStore, spec: CopySpec, train: list[str], wins, edges,
+                   controls: list[int], n_boot: int, seed: int, progress: bool = True):
+    """The copy-model reference (:mod:`megabase.eval.copymodel`) fitted on ``train`` and scored on
+    ``wins``, in full and under each context limit of ``controls``: its report entry, and the
+    accumulators of its full curve and of each control (to pair with the model's)."""
+    started = time.perf_counter()
+    model = CopyModel(spec).fit(region_tokens(store, train))
+    full = accumulate(model, store, wins, edges, progress, "copy model")
+    entry = {"name": "copy model", "label": spec.label(), "orders": list(spec.orders),
+             "seeds": list(spec.seeds), "max_miss": spec.max_miss, "lr": spec.lr,
+             **full.summary(n_boot=n_boot, seed=seed), "controls": {}, "context_gain": {}}
+    accs = {}
+    for c in controls:
+        accs[c] = accumulate(truncated(model, c), store, wins, edges, progress,
+                             f"copy model <= {c}")
+        entry["controls"][str(c)] = accs[c].summary(n_boot=n_boot, seed=seed)
+        entry["context_gain"][str(c)] = paired_gain(full, accs[c], n_boot, seed)
+    matches, predictions, hits = (int(v) for v in model.stats)
+    entry["copies"] = {"matches": matches, "predictions": predictions,
+                       "hit_rate": hits / predictions if predictions else None}
+    entry["seconds"] = time.perf_counter() - started
+    return entry, full, accs
+
+
+def context_worth(model: tuple, copy: tuple, limit: int, n_boot: int, seed: int) -> dict:
+    """What context beyond ``limit`` gives the model and the copy model, each paired with its own
+    control (``(full, control)`` accumulators), pooled over the bins beyond it; ``share``: the
+    model's gain over the copy model's (None unless the copy model gains)."""
+    m = gain_beyond(*model, limit, n_boot, seed)
+    c = gain_beyond(*copy, limit, n_boot, seed)
+    gm, gc = m["all"]["gain_bits_per_base"], c["all"]["gain_bits_per_base"]
+    return {"context_lo": m["context_lo"], "context_hi": m["context_hi"], "model": m,
+            "copy": c, "share": gm / gc if gm is not None and gc else None}
 
 
 def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | None = None,
@@ -83,6 +119,10 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
         raise InputError("{baselines}: fitting the Markov models needs {train} regions, and the "
                          "checkpoint records none (or leave {baselines} empty)", checkpoint,
                          options=("baselines", "train"))
+    if o.copy and not train:
+        raise InputError("{copy}: fitting the copy-model reference needs {train} regions, and the "
+                         "checkpoint records none (or turn {copy} off)", checkpoint,
+                         options=("copy", "train"))
     tracking = None
     if track:
         recorded_run = config.get("mlflow") or {}
@@ -116,12 +156,20 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
               "window_length": longest, "edges": edges,
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
     report["controls"], report["context_gain"] = {}, {}
+    controls = {}
     for c in o.controls:
         if c < longest:
-            control = accumulate(truncated(scorer, c), store, wins, edges, progress,
-                                 f"control <= {c}")
-            report["controls"][str(c)] = control.summary(n_boot=n_boot, seed=seed)
-            report["context_gain"][str(c)] = paired_gain(scored, control, n_boot, seed)
+            controls[c] = accumulate(truncated(scorer, c), store, wins, edges, progress,
+                                     f"control <= {c}")
+            report["controls"][str(c)] = controls[c].summary(n_boot=n_boot, seed=seed)
+            report["context_gain"][str(c)] = paired_gain(scored, controls[c], n_boot, seed)
+    if o.copy:
+        entry, full, accs = copy_reference(store, o.copy_spec(), train, wins, edges,
+                                           list(controls), n_boot, seed, progress)
+        report["copy_reference"] = entry
+        report["context_worth"] = {
+            str(c): context_worth((scored, controls[c]), (full, accs[c]), c, n_boot, seed)
+            for c in controls if any(e >= c for e in edges[1:-1])}
     report["baselines"] = {
         f"markov order {k}": score_series(markov_scorer(fit_markov(store, k, train)), store,
                                           wins, edges, n_boot, seed, progress, f"markov {k}")
@@ -215,5 +263,33 @@ def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions
               "train": train, "eval": eval_regions, "n_windows": len(wins),
               "window_length": length, "edges": edges,
               **score_series(scorer, store, wins, edges, n_boot, seed, progress, f"markov {order}")}
+    report["seconds"] = time.perf_counter() - started
+    return _finish(report, Path(out), tracking)
+
+
+def copy_baseline(data: str | Path, train: list[str], eval_regions: list[str], out: str | Path,
+                  spec: CopySpec | None = None, controls: list[int] = (1000,),
+                  length: int = 65_536, edges: list[int] | None = None,
+                  n_boot: int = EvalConfig.bootstrap, seed: int = 0, progress: bool = True,
+                  experiment: str | None = None, tracking_uri: str | None = None) -> dict:
+    """The copy-model reference alone: fitted on ``train``, reported on ``eval_regions`` with its
+    gain over each context limit in ``controls`` (the report format of every baseline; its
+    controls are the reference's own). With ``experiment``, also logged to a new MLflow run."""
+    started = time.perf_counter()
+    spec = (spec or CopySpec()).check()
+    tracking = None
+    if experiment:
+        tracking = dict(tracking_uri=tracking_uri, experiment=experiment, run_name="copy model",
+                        kind="baseline")
+    store = TokenStore(data)
+    wins = eval_windows(store, None, "eval", eval_regions, length)
+    if not wins:
+        raise InputError(f"no windows to score in {', '.join(eval_regions)}", data)
+    longest = max(w.length for w in wins)
+    edges = check_edges(edges) if edges else default_edges(longest)
+    entry, _, _ = copy_reference(store, spec, train, wins, edges,
+                                 [c for c in controls if c < longest], n_boot, seed, progress)
+    report = {**entry, "data": str(Path(data).resolve()), "train": train, "eval": eval_regions,
+              "n_windows": len(wins), "window_length": longest, "edges": edges}
     report["seconds"] = time.perf_counter() - started
     return _finish(report, Path(out), tracking)

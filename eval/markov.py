@@ -54,7 +54,11 @@ class MarkovModel:
         for k in range(self.order + 1):
             ok = target & (clean >= k)
             code = _contexts(tokens, k)[ok] * 4 + tokens[ok]
-            self.counts[k] += np.bincount(code, minlength=4 ** (k + 1))
+            if len(code) * 8 < len(self.counts[k]):  # a short sequence: no table-sized temporary
+                seen, times = np.unique(code, return_counts=True)
+                self.counts[k][seen] += times
+            else:
+                self.counts[k] += np.bincount(code, minlength=4 ** (k + 1))
         self._totals = None
         return self
 

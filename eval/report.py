@@ -2,7 +2,9 @@
 
 ``report.json`` holds ``bins`` (a list of objects with ``context_lo, context_hi, n_tokens,
 nats_per_base, bits_per_base, perplexity, unique, repeat, bits_per_base_ci``), ``overall`` with the
-same fields, and beside them ``controls``, ``probe``, ``baselines`` and the published ``anchors``.
+same fields, and beside them ``controls``, ``probe``, ``baselines``, ``copy_reference`` (the copy
+model's curve, its own controls and gains over them), ``context_worth`` (per control: what context
+beyond its limit gives the model and the copy model) and the published ``anchors``.
 """
 
 from __future__ import annotations
@@ -48,11 +50,31 @@ def accumulate(scorer, store, windows, edges, progress: bool = True,
 
 
 def series(report: dict) -> dict[str, dict]:
-    """Every binned curve of a report by name: the model, ``control<=N``, ``baseline names``."""
+    """Every binned curve of a report by name: the model, ``control<=N``, ``baseline names``,
+    ``copy model`` and ``copy model, context <= ~N``."""
     out = {report.get("name", "model"): report} if "bins" in report else {}
     for limit, summary in report.get("controls", {}).items():
         out[f"control, context <= ~{limit}"] = summary
     out.update(report.get("baselines", {}))
+    ref = report.get("copy_reference")
+    if ref:
+        out[ref["name"]] = ref
+        for limit, summary in ref.get("controls", {}).items():
+            out[f"{ref['name']}, context <= ~{limit}"] = summary
+    return out
+
+
+def roles(report: dict) -> dict[str, str]:
+    """The role of each of :func:`series`' curves: ``model`` (a baseline report's own curve too),
+    ``control``, ``baseline``, ``reference`` (the copy model) or ``reference control``."""
+    out = {report.get("name", "model"): "model"}
+    out.update({f"control, context <= ~{c}": "control" for c in report.get("controls", {})})
+    out.update({name: "baseline" for name in report.get("baselines", {})})
+    ref = report.get("copy_reference")
+    if ref:
+        out[ref["name"]] = "reference"
+        out.update({f"{ref['name']}, context <= ~{c}": "reference control"
+                    for c in ref.get("controls", {})})
     return out
 
 

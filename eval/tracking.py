@@ -8,8 +8,12 @@ The tracking store is always a database (``sqlite:///path/mlflow.db``) or a serv
 What a report logs to a run: one metric per context bin (``eval/bits_per_base/ctx_LO-HI``), the
 overall numbers, the same per bin for every control and the model's paired gain over it
 (``eval/gain_over_control_C/{all,unique,repeat}/ctx_LO-HI``, with ``/ci_lo`` and ``/ci_hi``), the
-overall number of every baseline, the recall probe per distance (``eval/probe/d_D/...``, with the
-DSA hit rates per layer), the held-out MoE load per layer (``eval/moe_load_max_over_mean/layer_i``),
+overall number of every baseline, the copy-model reference per bin (``eval/copy/...``) and
+overall under each control (``eval/copy/control_C/...``), what context beyond each control's
+limit gives the model and the copy model (``eval/context_worth_C/{model,copy}/{all,unique,
+repeat}`` with CIs, and ``.../share``, the model's gain over the copy model's), the recall probe
+per distance (``eval/probe/d_D/...``, with the DSA hit rates per layer), the held-out MoE load per
+layer (``eval/moe_load_max_over_mean/layer_i``),
 ``eval/bits_per_base_by_context`` with the bin's upper edge as step (MLflow draws it as the curve),
 the table of every series and bin (``eval/bins.json``, read back with ``mlflow.load_table``), and
 ``report.json``, ``report.csv`` and ``report.png`` under ``eval/``.
@@ -175,6 +179,19 @@ def report_metrics(report: dict) -> dict[str, float]:
                 key = f"eval/gain_over_control_{limit}/{part}/{bin_key(row)}"
                 out[key] = g["gain_bits_per_base"]
                 out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+    ref = report.get("copy_reference")
+    if ref:
+        add("eval/copy", ref, per_bin=True)
+        for limit, summary in ref.get("controls", {}).items():
+            add(f"eval/copy/control_{limit}", summary, per_bin=False)
+    for limit, worth in report.get("context_worth", {}).items():
+        for who in ("model", "copy"):
+            for part in ("all", "unique", "repeat"):
+                g = worth[who][part]
+                key = f"eval/context_worth_{limit}/{who}/{part}"
+                out[key] = g["gain_bits_per_base"]
+                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+        out[f"eval/context_worth_{limit}/share"] = worth["share"]
     for row in report.get("probe", []):
         d = row["distance"]
         for field in ("first_copy_bits_per_base", "second_copy_bits_per_base", "gain_bits_per_base"):
@@ -189,12 +206,11 @@ def report_metrics(report: dict) -> dict[str, float]:
 
 def report_table(report: dict) -> dict[str, list]:
     """Columns of one row per (series, bin): what ``eval/bins.json`` holds. ``role`` is
-    ``model`` for the report's own curve (a baseline report's too), else ``control``/``baseline``."""
-    from .report import series
+    ``model`` for the report's own curve (a baseline report's too), else ``control``, ``baseline``,
+    ``reference`` (the copy model) or ``reference control``."""
+    from .report import roles as curve_roles, series
 
-    roles = {report.get("name", "model"): "model"}
-    roles.update({f"control, context <= ~{c}": "control" for c in report.get("controls", {})})
-    roles.update({name: "baseline" for name in report.get("baselines", {})})
+    roles = curve_roles(report)
     cols: dict[str, list] = {k: [] for k in (
         "series", "role", "context_lo", "context_hi", "n_tokens", "bits_per_base",
         "nats_per_base", "bits_ci_lo", "bits_ci_hi", "unique_bits_per_base",

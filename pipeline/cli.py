@@ -139,13 +139,21 @@ def cmd_log(args: argparse.Namespace) -> None:
 
 
 def cmd_baseline(args: argparse.Namespace) -> None:
-    from megabase.eval.evaluate import markov_baseline
+    from megabase.eval.evaluate import copy_baseline, markov_baseline
 
     given = {k: v for k, v in (("length", args.length), ("n_boot", args.bootstrap),
                                ("seed", args.seed)) if v is not None}  # else the function's defaults
-    report = markov_baseline(args.data, args.order, _csv(args.train), _csv(args.eval), args.out,
-                             progress=not args.quiet, experiment=args.experiment,
-                             tracking_uri=args.tracking_uri, **given)
+    common = dict(progress=not args.quiet, experiment=args.experiment,
+                  tracking_uri=args.tracking_uri, **given)
+    if args.kind == "markov":
+        if args.order is None:
+            raise InputError("baseline markov needs --order K (0..14)")
+        report = markov_baseline(args.data, args.order, _csv(args.train), _csv(args.eval),
+                                 args.out, **common)
+    else:
+        options = _section(EvalConfig, args)
+        report = copy_baseline(args.data, _csv(args.train), _csv(args.eval), args.out,
+                               spec=options.copy_spec(), controls=list(options.controls), **common)
     summary.print_report(report)
 
 
@@ -353,10 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_variants)
 
-    p = sub.add_parser("baseline", help="order-k Markov baseline -> the same report format")
-    p.add_argument("kind", choices=["markov"])
+    p = sub.add_parser("baseline", help="order-k Markov baseline, or the copy-model reference "
+                       "with its controls -> the same report format")
+    p.add_argument("kind", choices=["markov", "copy"])
     p.add_argument("--data", required=True, help="token store directory")
-    p.add_argument("--order", type=int, required=True, help="Markov order K (0..14)")
+    p.add_argument("--order", type=int, help="markov: the Markov order K (0..14)")
+    for f in dataclasses.fields(EvalConfig):
+        if f.name in ("copy_orders", "copy_seeds", "controls"):
+            p.add_argument(_flag(f.name).replace("--copy-", "--"), dest=f.name, action="append",
+                           default=None, metavar="LIST",
+                           help=f"copy: {f.metadata['help']} (default: "
+                           f"{','.join(map(str, f.default_factory()))})")
     p.add_argument("--train", required=True, help="records/regions to fit on, e.g. chr01,chr02")
     p.add_argument("--eval", required=True, help="records/regions to score, e.g. chr22")
     p.add_argument("--length", type=_positive_int, help="window length for binning")

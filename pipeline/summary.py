@@ -117,6 +117,8 @@ def print_report(report: dict) -> None:
     best = report.get("best_baseline")
     if best:
         console.print(f"best baseline: {best['name']}, {best['bits_per_base']:.4f} bits/base")
+    for line in _copy_lines(report):
+        console.print(line)
     for line in _moe_lines(report):
         console.print(line)
     console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
@@ -322,7 +324,30 @@ def evaluation_lines(report: dict) -> list[str]:
         lines.append("recall probe, second vs first copy (bits/base): " + ", ".join(
             f"d={r['distance']:,} {r['second_copy_bits_per_base']:.3f} vs "
             f"{r['first_copy_bits_per_base']:.3f}" for r in probe))
-    return lines + _moe_lines(report)
+    return lines + _copy_lines(report) + _moe_lines(report)
+
+
+def _gain(entry: dict) -> str:
+    g, (lo, hi) = entry["gain_bits_per_base"], entry["ci"]
+    if g is None:
+        return "-"
+    return f"{g:+.4f}" + ("" if lo is None else f" [{lo:+.4f}, {hi:+.4f}]")
+
+
+def _copy_lines(report: dict) -> list[str]:
+    """The copy-model reference overall, and per control what context beyond its limit gives the
+    model and the copy model (paired 95% CIs) and the model's share of the copy model's gain."""
+    ref = report.get("copy_reference")
+    if not ref:
+        return []
+    lines = [f"copy-model reference ({ref.get('label', ref['name'])}): "
+             f"{ref['overall']['bits_per_base']:.4f} bits/base{_ci(ref['overall'])}"]
+    for limit, w in report.get("context_worth", {}).items():
+        share = "" if w["share"] is None else f"; the model gets {w['share']:.0%} of the copy model's"
+        lines.append(f"context beyond ~{int(limit):,} ([{w['context_lo']:,}, {w['context_hi']:,})): "
+                     f"the copy model gains {_gain(w['copy']['all'])} bits/base, the model "
+                     f"{_gain(w['model']['all'])}{share}")
+    return lines
 
 
 def _moe_lines(report: dict) -> list[str]:

@@ -87,7 +87,8 @@ def tracked(bundled_store, tmp_path_factory):
     common = ["--bootstrap", "20", "--quiet", "--tracking-uri", uri, "--experiment", "tiny"]
     assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
                  "--regions", "chr22:1-6,000", "--controls", "500", "--no-probe",
-                 "--baselines", "", "--out", str(root / "model"), *common]) == 0
+                 "--baselines", "", "--train", "chr01:1-200,000", "--copy-orders", "2,4",
+                 "--out", str(root / "model"), *common]) == 0
     assert main(["baseline", "markov", "--data", str(bundled_store.path), "--order", "2",
                  "--train", "chr01", "--eval", "chr22:1-6,000", "--length", "2048",
                  "--out", str(root / "markov"), *common]) == 0

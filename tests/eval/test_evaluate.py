@@ -46,6 +46,18 @@ def test_debug_checkpoint_evaluates_end_to_end(bundled_store, tmp_path):
     assert set(report["controls"]) == {"500"} and "markov order 1" in report["baselines"]
     assert report["probe"][0]["distance"] == 1_000
     assert 1.5 < report["overall"]["bits_per_base"] < 5
+    ref = report["copy_reference"]  # the copy model, scored on the same windows and controls
+    assert ref["overall"]["n_tokens"] == n_bases and set(ref["controls"]) == {"500"}
+    assert ref["controls"]["500"]["overall"]["n_tokens"] == n_bases
+    worth = report["context_worth"]["500"]
+    assert (worth["context_lo"], worth["context_hi"]) == (1000, 2048)
+    # the model's pooled gain is its per-bin gain where one bin lies beyond the limit
+    assert worth["model"]["all"]["gain_bits_per_base"] == pytest.approx(
+        report["context_gain"]["500"][1]["all"]["gain_bits_per_base"])
+    assert worth["copy"]["all"]["gain_bits_per_base"] == pytest.approx(
+        ref["controls"]["500"]["bins"][1]["bits_per_base"] - ref["bins"][1]["bits_per_base"])
+    assert "copy model" in {row.split(",")[0] for row in
+                            (tmp_path / "eval" / "report.csv").read_text().splitlines()}
 
 
 def test_evaluate_rejects_a_missing_checkpoint(tmp_path, capsys):

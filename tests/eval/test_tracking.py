@@ -21,6 +21,14 @@ def test_report_lands_in_its_run(tracked):
     assert run.data.metrics["eval/bits_per_base"] == pytest.approx(
         report["overall"]["bits_per_base"])
     assert "eval/control_500/bits_per_base" in run.data.metrics
+    ref = report["copy_reference"]
+    assert run.data.metrics["eval/copy/bits_per_base"] == pytest.approx(ref["overall"]["bits_per_base"])
+    assert run.data.metrics["eval/copy/control_500/bits_per_base"] == pytest.approx(
+        ref["controls"]["500"]["overall"]["bits_per_base"])
+    worth = report["context_worth"]["500"]
+    for who in ("model", "copy"):
+        assert run.data.metrics[f"eval/context_worth_500/{who}/all"] == pytest.approx(
+            worth[who]["all"]["gain_bits_per_base"])
     curve = client.get_metric_history(run_id, "eval/bits_per_base_by_context")
     assert sorted(m.step for m in curve) == [b["context_hi"] for b in report["bins"]]
     artifacts = {a.path for a in client.list_artifacts(run_id, "eval")}
@@ -41,7 +49,7 @@ def test_logged_table_reads_back_with_load_table(tracked):
     model = table[table["role"] == "model"]
     assert list(model["bits_per_base"]) == pytest.approx(
         [b["bits_per_base"] for b in tracked["reports"]["model"]["bins"]])
-    assert set(table["role"]) == {"model", "control"}
+    assert set(table["role"]) == {"model", "control", "reference", "reference control"}
 
 
 def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp_path):
@@ -57,7 +65,7 @@ def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp
         "window_length": 2048, "mlflow": {"tracking_uri": tracked["uri"], "run_id": run.info.run_id}})
     assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
                  "--regions", "chr22:1-2,048", "--controls", "", "--no-probe", "--bootstrap", "5",
-                 "--baselines", "",
+                 "--baselines", "", "--no-copy",
                  "--quiet", "--out", str(tmp_path / "eval")]) == 0
     after = client.get_run(run.info.run_id)
     assert after.info.status == "RUNNING"  # the trainer owns its run's status
@@ -67,7 +75,7 @@ def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp
 def test_unknown_run_fails_before_scoring(tracked, bundled_store, tmp_path, capsys):
     code = main(["evaluate", "--checkpoint", str(tracked["ckpt"]), "--data",
                  str(bundled_store.path), "--tracking-uri", tracked["uri"],
-                 "--mlflow-run", "0123456789abcdef", "--regions", "chr22", "--baselines", "",
+                 "--mlflow-run", "0123456789abcdef", "--regions", "chr22", "--baselines", "", "--no-copy",
                  "--out", str(tmp_path / "eval")])
     err = capsys.readouterr().err
     assert code == 2 and "0123456789abcdef" in err and "not found" in err

@@ -38,7 +38,7 @@ def locked_store(tmp_path):
 
 def _evaluate(ckpt, store, out, uri):
     return ["evaluate", "--checkpoint", str(ckpt), "--data", str(store.path), "--regions",
-            "chr22:1-4,096", "--controls", "", "--no-probe", "--baselines", "", "--bootstrap", "5",
+            "chr22:1-4,096", "--controls", "", "--no-probe", "--baselines", "", "--no-copy", "--bootstrap", "5",
             "--quiet", "--out", str(out), "--tracking-uri", uri, "--experiment", "locked"]
 
 

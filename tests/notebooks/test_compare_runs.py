@@ -26,4 +26,5 @@ def test_notebook_compares_the_runs_of_a_store(tracked, tmp_path, monkeypatch):
                      for o in outputs)
     model = tracked["reports"]["model"]["mlflow"]["run_id"]
     assert model in text and "markov order 2" in text and "gains vs" in text
+    assert ": copy model" in text and "copy model gain" in text  # the reference's curve and worth
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the figure
