@@ -17,14 +17,14 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #define N_CTX 7
 #define N_CONF 24
 #define MAX_EXPERTS 64
 #define MAX_CHAINS 16
 #define LOG_TABLE 65536
-#define BLOCK 2048
+#define BLOCK 2048 /* copymodel.py: BLOCK */
+#define AHEAD 12
 
 static double log_table[LOG_TABLE];
 static double log_table_alpha = -1.0;
@@ -44,57 +44,69 @@ static inline int64_t run_bucket(int64_t run) {
 
 static inline uint64_t mix(uint64_t x) { return (x * 0x9E3779B97F4A7C15ull) >> 20; }
 
+typedef struct { /* one cache line holds a key and its position */
+    uint64_t key;
+    int64_t last; /* the end of the k-mer's latest occurrence; -1: an empty slot */
+} entry_t;
+
 typedef struct {
-    uint64_t *keys;
-    int32_t *last;
+    entry_t *slots;
     int64_t mask;
 } table_t;
 
-static int32_t *slot(table_t *t, uint64_t code) {
+static inline int64_t find(const table_t *t, uint64_t code) {
     int64_t h = (int64_t)(mix(code) & (uint64_t)t->mask);
-    while (t->last[h] >= 0 && t->keys[h] != code) h = (h + 1) & t->mask;
-    t->keys[h] = code;
-    return &t->last[h];
+    while (t->slots[h].last >= 0 && t->slots[h].key != code) h = (h + 1) & t->mask;
+    return h;
 }
 
+/* The seed tables' slots for a window of n bases: a power of two, at most 2/3 full. */
+int64_t megabase_copy_slots(int64_t n) {
+    int64_t size = 1;
+    while (size < n + n / 2 + 2) size <<= 1;
+    return size;
+}
+
+/* slots: 2 * S * megabase_copy_slots(n) words; terms: BLOCK * M * 4 (the caller's, reused across
+ * windows, so that no window pays for fresh pages). */
 int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, int64_t kmax,
                         const int64_t *orders, int64_t M, double alpha, const int64_t *seeds,
                         int64_t S, int64_t max_miss, double lr, double *weights, double *conf,
-                        double *out, int64_t *stats) {
+                        double *out, int64_t *stats, uint64_t *slots, double *terms) {
     const int64_t E = 2 * S, W = M + E;
-    if (E > MAX_EXPERTS || M > MAX_CHAINS || n >= INT32_MAX) return -2;
+    if (E > MAX_EXPERTS || M > MAX_CHAINS) return -2;
     if (log_table_alpha != alpha) {
         for (int64_t c = 0; c < LOG_TABLE; c++) log_table[c] = log((double)c + alpha);
         log_table_alpha = alpha;
     }
-    /* the chains' terms of a block of positions, gathered before the block is mixed: the loads
+    /* the chains' terms of a block of positions are gathered before the block is mixed: the loads
      * into the large tables of high orders then overlap instead of waiting one by one */
-    double *terms = malloc((size_t)BLOCK * (size_t)M * 4 * sizeof(double));
-    if (!terms) return -1;
     uint64_t context = 0; /* the kmax bases before the gathered position, the newest most significant */
-    int64_t gclean = 0;
-    int64_t size = 1;
-    while (size < n + n / 2 + 2) size <<= 1; /* at most 2/3 full */
-    table_t tables[MAX_EXPERTS / 2];
-    int failed = 0;
-    for (int64_t j = 0; j < S; j++) {
-        tables[j].keys = malloc((size_t)size * sizeof(uint64_t));
-        tables[j].last = malloc((size_t)size * sizeof(int32_t));
-        tables[j].mask = size - 1;
-        if (!tables[j].keys || !tables[j].last) failed = 1;
-        else
-            for (int64_t i = 0; i < size; i++) tables[j].last[i] = -1;
+    int64_t gclean = 0, pclean = 0;
+    uint64_t pcontext = 0;
+    for (int64_t u = 0; u < AHEAD - 1 && u < n; u++) {
+        if (tok[u] > 3) { pclean = 0; continue; }
+        if (kmax) pcontext = (pcontext >> 2) | ((uint64_t)tok[u] << (2 * (kmax - 1)));
+        pclean++;
     }
-    if (failed) {
-        for (int64_t j = 0; j < S; j++) {
-            free(tables[j].keys);
-            free(tables[j].last);
-        }
-        free(terms);
-        return -1;
+    const int64_t size = megabase_copy_slots(n);
+    table_t tables[MAX_EXPERTS / 2];
+    for (int64_t j = 0; j < S; j++) {
+        tables[j].slots = (entry_t *)slots + j * size;
+        tables[j].mask = size - 1;
+        for (int64_t i = 0; i < size; i++) tables[j].slots[i].last = -1;
     }
     uint64_t fcode[MAX_EXPERTS / 2] = {0}, rcode[MAX_EXPERTS / 2] = {0}, cmask[MAX_EXPERTS / 2];
     for (int64_t j = 0; j < S; j++) cmask[j] = seeds[j] == 32 ? ~0ull : ((1ull << (2 * seeds[j])) - 1ull);
+    /* the codes AHEAD positions on, whose seed-table slots are fetched early: the lookups of
+     * one position wait on the mixer's update before them and cannot overlap by themselves */
+    uint64_t fahead[MAX_EXPERTS / 2] = {0}, rahead[MAX_EXPERTS / 2] = {0};
+    for (int64_t u = 0; u < AHEAD - 1 && u < n; u++)
+        for (int64_t j = 0; j < S; j++) {
+            const uint64_t x = tok[u] & 3;
+            fahead[j] = ((fahead[j] << 2) | x) & cmask[j];
+            rahead[j] = (rahead[j] >> 2) | ((3 - x) << (2 * (seeds[j] - 1)));
+        }
     int64_t active[MAX_EXPERTS] = {0}, ptr[MAX_EXPERTS], run[MAX_EXPERTS], hist[MAX_EXPERTS];
     int64_t clean = 0;
     double lq[MAX_EXPERTS][4], z[4], p[4];
@@ -104,6 +116,16 @@ int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, i
         if (t % BLOCK == 0) {
             const int64_t stop = t + BLOCK < n ? t + BLOCK : n;
             for (int64_t u = t; u < stop; u++) {
+                if (u + AHEAD < n) { /* the count rows AHEAD positions on: misses overlap */
+                    const uint8_t x = tok[u + AHEAD - 1];
+                    pclean = x > 3 ? 0 : pclean + 1;
+                    if (kmax && x <= 3) pcontext = (pcontext >> 2) | ((uint64_t)x << (2 * (kmax - 1)));
+                    for (int64_t m = 0; m < M; m++) {
+                        const int64_t k = pclean < orders[m] ? pclean : orders[m];
+                        __builtin_prefetch((const int64_t *)(uintptr_t)counts[k] +
+                                           (pcontext >> (2 * (kmax - k))) * 4);
+                    }
+                }
                 double *row = terms + (u - t) * M * 4;
                 for (int64_t m = 0; m < M; m++) {
                     const int64_t k = gclean < orders[m] ? gclean : orders[m];
@@ -120,6 +142,17 @@ int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, i
             }
         }
         const double *lm = terms + (t % BLOCK) * M * 4;
+        if (t + AHEAD - 1 < n) {
+            const uint64_t x = tok[t + AHEAD - 1] & 3; /* an N only makes a wasted fetch */
+            for (int64_t j = 0; j < S; j++) {
+                fahead[j] = ((fahead[j] << 2) | x) & cmask[j];
+                rahead[j] = (rahead[j] >> 2) | ((3 - x) << (2 * (seeds[j] - 1)));
+                const int64_t hf = (int64_t)(mix(fahead[j]) & (uint64_t)tables[j].mask);
+                const int64_t hr = (int64_t)(mix(rahead[j]) & (uint64_t)tables[j].mask);
+                __builtin_prefetch(&tables[j].slots[hf], 1);
+                __builtin_prefetch(&tables[j].slots[hr]);
+            }
+        }
         /* per strand, the shortest seed length found nowhere earlier: a longer k-mer ending at
          * t - 1 holds it, so it cannot have occurred either, and is not looked up */
         int64_t unseen[2] = {INT64_MAX, INT64_MAX};
@@ -127,9 +160,7 @@ int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, i
             const int64_t j = e / 2;
             if (active[e] || clean < seeds[j] || seeds[j] > unseen[e % 2]) continue;
             const uint64_t code = (e % 2 == 0) ? fcode[j] : rcode[j];
-            int64_t h = (int64_t)(mix(code) & (uint64_t)tables[j].mask);
-            while (tables[j].last[h] >= 0 && tables[j].keys[h] != code) h = (h + 1) & tables[j].mask;
-            const int64_t end = tables[j].last[h];
+            const int64_t end = tables[j].slots[find(&tables[j], code)].last;
             if (end < 0) {
                 if (seeds[j] < unseen[e % 2]) unseen[e % 2] = seeds[j];
                 continue;
@@ -143,7 +174,11 @@ int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, i
             stats[0]++;
         }
         for (int64_t j = 0; j < S; j++)
-            if (clean >= seeds[j]) *slot(&tables[j], fcode[j]) = (int32_t)(t - 1);
+            if (clean >= seeds[j]) {
+                entry_t *slot = &tables[j].slots[find(&tables[j], fcode[j])];
+                slot->key = fcode[j];
+                slot->last = t - 1;
+            }
         const int64_t x = tok[t];
         if (x > 3) {
             out[t] = NAN;
@@ -214,10 +249,5 @@ int megabase_copy_score(const uint8_t *tok, int64_t n, const uint64_t *counts, i
         }
         clean++;
     }
-    for (int64_t j = 0; j < S; j++) {
-        free(tables[j].keys);
-        free(tables[j].last);
-    }
-    free(terms);
     return 0;
 }

@@ -42,6 +42,7 @@ from megabase.kernels import native
 from .markov import MAX_ORDER, MarkovModel
 
 N_CTX, N_CONF, HISTORY = 7, 24, 16
+BLOCK = 2048  # positions whose chain terms the kernel gathers at once (copymodel.c: BLOCK)
 ASIDE_FRACTION, ASIDE_MAX, ASIDE_WINDOW = 0.1, 2_000_000, 65_536
 MAX_SEED = 32
 
@@ -88,16 +89,36 @@ def initial_state(spec: CopySpec) -> tuple[np.ndarray, np.ndarray]:
 def _lib():
     P, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     return native.bind(str(Path(__file__).with_name("copymodel.c")), {
-        "megabase_copy_score": [P, I, P, I, P, I, D, P, I, I, D, P, P, P, P]},
+        "megabase_copy_score": [P, I, P, I, P, I, D, P, I, I, D, P, P, P, P, P, P],
+        "megabase_copy_slots": [I]},
         extra=("-ffp-contract=off",))
 
 
+class Workspace:
+    """The kernel's seed tables and chain terms, kept between windows (fresh pages cost more than
+    scoring a short window)."""
+
+    def __init__(self):
+        self.slots = self.terms = np.empty(0)
+
+    def get(self, lib, n: int, n_seeds: int, n_chains: int):
+        lib.megabase_copy_slots.restype = ctypes.c_int64
+        words = 2 * n_seeds * lib.megabase_copy_slots(n)  # a key and a position per slot
+        if len(self.slots) < words:
+            self.slots = np.empty(words, np.uint64)
+        if len(self.terms) < BLOCK * n_chains * 4:
+            self.terms = np.empty(BLOCK * n_chains * 4)
+        return self.slots.ctypes.data, self.terms.ctypes.data
+
+
 def score_window(tokens: np.ndarray, markov: MarkovModel, spec: CopySpec, weights: np.ndarray,
-                 conf: np.ndarray, stats: np.ndarray | None = None) -> np.ndarray:
+                 conf: np.ndarray, stats: np.ndarray | None = None,
+                 work: Workspace | None = None) -> np.ndarray:
     """``-log p(x_t)`` per position (nats, NaN off bases) of one window; ``weights`` and ``conf``
     (:func:`initial_state`'s shapes, float64) are updated in place. ``markov``: the fitted chains
     (orders up to ``max(spec.orders)``). ``stats`` (int64 [3]) counts matches started,
-    predictions made and hits. The C kernel, or :func:`reference_nll` where it cannot be built."""
+    predictions made and hits; ``work`` is reused memory (a fresh one by default). The C kernel,
+    or :func:`reference_nll` where it cannot be built."""
     tokens = np.ascontiguousarray(tokens, dtype=np.uint8)
     stats = np.zeros(3, np.int64) if stats is None else stats
     if markov.order < max(spec.orders):
@@ -115,13 +136,15 @@ def score_window(tokens: np.ndarray, markov: MarkovModel, spec: CopySpec, weight
         if not a.flags.c_contiguous:
             raise ValueError("weights, conf and stats must be C-contiguous")
     out = np.empty(len(tokens))
+    work = work or Workspace()  # held here: the kernel writes into its arrays
     status = lib.megabase_copy_score(
         tokens.ctypes.data, len(tokens), pointers.ctypes.data, kmax, orders.ctypes.data,
         len(orders), markov.alpha, seeds.ctypes.data, len(seeds), spec.max_miss, spec.lr,
-        weights.ctypes.data, conf.ctypes.data, out.ctypes.data, stats.ctypes.data)
+        weights.ctypes.data, conf.ctypes.data, out.ctypes.data, stats.ctypes.data,
+        *work.get(lib, len(tokens), len(seeds), len(orders)))
     if status != 0:
-        raise MemoryError(f"the copy model's seed tables for {len(tokens):,} bases could not be "
-                          "allocated")
+        raise ValueError(f"the copy model cannot score {len(tokens):,} bases with {len(seeds)} "
+                         f"seed lengths and {len(orders)} chains")
     return out
 
 
@@ -227,6 +250,7 @@ class CopyModel:
         self.markov = MarkovModel(max(self.spec.orders))
         self.weights, self.conf = initial_state(self.spec)
         self.stats = np.zeros(3, np.int64)  # over every window scored: matches, predictions, hits
+        self.work = Workspace()
 
     def fit(self, sequences: list[np.ndarray]) -> "CopyModel":
         """Fit the chains on ``sequences`` (``uint8`` tokens each) and the mixer's starting state on
@@ -243,7 +267,8 @@ class CopyModel:
             for start in range(0, len(tail), ASIDE_WINDOW):
                 window = np.asarray(tail[start : start + ASIDE_WINDOW])
                 if (window < N_BASES).any():
-                    score_window(window, self.markov, self.spec, self.weights, self.conf)
+                    score_window(window, self.markov, self.spec, self.weights, self.conf,
+                                 work=self.work)
         for tail in tails:
             self.markov.fit(tail)
         return self
@@ -252,6 +277,6 @@ class CopyModel:
         """``-log p(x_t | x_<t in the window)`` (nats), NaN where the target is not a base; the
         mixer starts from the fitted state and adapts within the window only."""
         weights, conf = self.weights.copy(), self.conf.copy()
-        return score_window(tokens, self.markov, self.spec, weights, conf, self.stats)
+        return score_window(tokens, self.markov, self.spec, weights, conf, self.stats, self.work)
 
     __call__ = nll
