@@ -35,10 +35,11 @@ class DataConfig:
     stride: int | None = None
     max_n_frac: float = 0.5
     rc_prob: float = 0.5
-    # synthetic repeats (megabase.data.augment): a training curriculum, never applied to evaluation
-    repeat_frac: float = 0.0  # fraction of each training window's bases overwritten by copies
-    repeat_frac_first: float | None = None  # the fraction in the first repeat_first_steps steps
-    repeat_first_steps: int = 0
+    # synthetic repeats (megabase.data.augment): a training curriculum, never applied to evaluation;
+    # the defaults are the demo's, which without them does not learn to copy (docs/science.md 11)
+    repeat_frac: float = 0.05  # fraction of each training window's bases overwritten by copies
+    repeat_frac_first: float | None = 0.5  # the fraction in the first repeat_first_steps steps
+    repeat_first_steps: int = 120
     repeat_length: list[int] = field(default_factory=lambda: [20, 1000])  # copy length min, max
     repeat_divergence: float = 0.0  # most a copy's substitution rate can be
 

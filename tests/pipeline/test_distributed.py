@@ -19,8 +19,12 @@ from tests.pipeline.test_train import tiny
 def _run(workdir, store, name, *flags, steps=3):
     # the sign bias update: a discrete step, so balancing from the same global counts gives the
     # same biases to the bit; the quantile update reads margins binned 4e-6 wide near zero, where
-    # fp32 round-off between the two layouts moves tokens across bins
+    # fp32 round-off between the two layouts moves tokens across bins. Without the demo's
+    # synthetic repeats: with them the two layouts' step-1 losses still agree to 1e-6, but by step
+    # 2 Adam has turned round-off into a 2e-4 relative difference, past the tolerance held below
     sets = tiny(workdir, store, steps, name=name, **{"data.window_length": "4096",
+                                                 "data.repeat_frac": "0",
+                                                 "data.repeat_frac_first": "null",
                                                  "train.batch_size": "2",
                                                  "train.warmup_steps": "1",
                                                  "model.overrides.bias_update": "sign",

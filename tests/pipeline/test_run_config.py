@@ -100,4 +100,7 @@ def test_repeat_schedule():
     cfg = load_config(None, ["data.repeat_frac=0.1", "data.repeat_frac_first=0.3",
                              "data.repeat_first_steps=100"])
     assert [repeat_frac_at(s, cfg.data) for s in (0, 99, 100, 500)] == [0.3, 0.3, 0.1, 0.1]
-    assert repeat_frac_at(0, load_config(None).data) == 0.0
+    demo = load_config(None).data  # the demo's curriculum
+    assert [repeat_frac_at(s, demo) for s in (0, 119, 120)] == [0.5, 0.5, 0.05]
+    off = load_config(None, ["data.repeat_frac=0", "data.repeat_frac_first=null"]).data
+    assert repeat_frac_at(0, off) == 0.0

@@ -226,7 +226,8 @@ def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, 
     monkeypatch.setattr(DSALayer, "attend_dense",
                         lambda self, *a: dense_calls.append(1) or original(self, *a))
     args = tiny(tmp_path / "c", bundled_store, 4, **{
-        "data.repeat_frac": "0.3", "train.indexer_warmup_steps": "2",
+        "data.repeat_frac": "0.3", "data.repeat_frac_first": "null",
+        "train.indexer_warmup_steps": "2",
         "model.overrides.n_experts": "16", "model.overrides.bias_update": "sign",
         "model.overrides.bias_update_rate": "0"})
     assert main(["train", *args, "--quiet"]) == 0
@@ -242,6 +243,7 @@ def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, 
     assert warned and all(float(ratio) > 3 or idle for ratio, idle in warned)
     planted = loss_curve(tmp_path / "c" / "runs" / "tiny")
     args = tiny(tmp_path / "d", bundled_store, 4, **{
+        "data.repeat_frac": "0", "data.repeat_frac_first": "null",
         "train.indexer_warmup_steps": "2", "model.overrides.n_experts": "16",
         "model.overrides.bias_update": "sign", "model.overrides.bias_update_rate": "0"})
     assert main(["train", *args, "--quiet"]) == 0
