@@ -50,6 +50,12 @@ class EvalConfig:
         "Markov orders the copy-model reference mixes (fitted on the training regions)"))
     copy_seeds: list[int] = field(default_factory=lambda: [12, 16, 20], metadata=_help(
         "seed lengths of its copy models (each forward and reverse complement)"))
+    rebalance: list[str] = field(default_factory=list, metadata=_help(
+        "records/regions whose bases (never their losses) re-fit every MoE layer's selection "
+        "bias before scoring, to measure what held-out routing imbalance costs; must not overlap "
+        "the scored regions; empty: the trained biases"))
+    rebalance_rounds: int = field(default=3, metadata=_help(
+        "passes over the rebalance regions, each followed by one bias update"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
     dsa_stage: str | None = field(default=None, metadata=_help(
         "the DSA indexer's candidate stage to score with: exact (every earlier key), max or "
@@ -90,7 +96,8 @@ class EvalConfig:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise InputError(f"{{probe_distances}} must be positive distances, got {d}",
                                  options=("probe_distances",))
-        for name in ("probe_windows", "probe_pairs", "bootstrap", "segment", "length"):
+        for name in ("probe_windows", "probe_pairs", "bootstrap", "segment", "length",
+                     "rebalance_rounds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):

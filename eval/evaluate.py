@@ -16,6 +16,7 @@ from .config import EvalConfig
 from .copymodel import CopyModel, CopySpec
 from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
+from .rebalance import rebalance_moe
 from .report import accumulate, score_series, write_report
 from .score import ModelScorer, markov_scorer, truncated
 from .tracking import (
@@ -146,6 +147,7 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     edges = check_edges(o.edges) if o.edges else default_edges(longest)
     n_boot, seed = o.bootstrap, o.seed
     scorer = ModelScorer(model, o.segment)
+    rebalanced = rebalance(scorer, store, regions if windows is None else [], o, length, progress)
     with scorer.counting_load() as load:
         scored = accumulate(scorer, store, wins, edges, progress, "model")
     ckpt = Path(checkpoint).resolve()
@@ -155,6 +157,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
               "data": str(Path(data).resolve()), "split": split, "n_windows": len(wins),
               "window_length": longest, "edges": edges,
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
+    if rebalanced:
+        report["moe_rebalance"] = rebalanced
     report["controls"], report["context_gain"] = {}, {}
     controls = {}
     for c in o.controls:
@@ -186,6 +190,23 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
                                        seed=seed, n_boot=n_boot, pairs=o.probe_pairs)
     report["seconds"] = time.perf_counter() - started
     return _finish(report, out, tracking)
+
+
+def rebalance(scorer: ModelScorer, store: TokenStore, scored: list[str], o: EvalConfig,
+              length: int, progress: bool) -> dict | None:
+    """``o.rebalance``: re-fit the MoE selection biases on those regions' bases
+    (:mod:`megabase.eval.rebalance`), refusing regions that share bases with the ``scored`` ones."""
+    if not o.rebalance:
+        return None
+    splits = {"rebalance": list(o.rebalance), **({"scored": scored} if scored else {})}
+    tiles, _ = make_windows(store, splits, length, max_n_frac=1.0)
+    wins = [np.array(store.tokens(w.chrom)[w.start : w.end]) for w in tiles if w.split == "rebalance"]
+    wins = [t for t in wins if (t < 4).any()]
+    if not wins:
+        raise InputError("{rebalance}: its regions hold no A/C/G/T to route", store.path,
+                         options=("rebalance",))
+    entry = rebalance_moe(scorer, wins, o.rebalance_rounds, progress=progress)
+    return {"regions": list(o.rebalance), **entry}
 
 
 def moe_load_summary(load) -> list[dict]:

@@ -27,18 +27,20 @@ class ModelScorer:
         self.model, self.segment = model.eval(), segment
 
     @contextmanager
-    def counting_load(self):
+    def counting_load(self, margins: bool = False):
         """Yields a ``[n_moe_layers, E]`` tensor that counts the tokens each expert is routed while
         the block runs (a streamed window's replayed tile boundaries, < 1,024 tokens per piece, are
-        counted twice)."""
-        from megabase.model.moe import MoE
+        counted twice); with ``margins``, ``[n_moe_layers, E, 1 + N_MARGIN_BINS]``: the counts,
+        then each expert's histogram of routing margins (``MoE.margins``)."""
+        from megabase.model.moe import N_MARGIN_BINS, MoE
 
         layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        load = torch.zeros(len(layers), self.model.cfg.n_experts)
+        E = self.model.cfg.n_experts
+        load = torch.zeros(len(layers), E, 1 + N_MARGIN_BINS) if margins else torch.zeros(len(layers), E)
 
         def hook(i):
             def add(module, args, out):
-                load[i] += out[2][:, 0].cpu()
+                load[i] += (out[2] if margins else out[2][:, 0]).cpu()
             return add
 
         handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]

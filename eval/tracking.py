@@ -13,7 +13,8 @@ overall under each control (``eval/copy/control_C/...``), what context beyond ea
 limit gives the model and the copy model (``eval/context_worth_C/{model,copy}/{all,unique,
 repeat}`` with CIs, and ``.../share``, the model's gain over the copy model's), the recall probe
 per distance (``eval/probe/d_D/...``, with the DSA hit rates per layer), the held-out MoE load per
-layer (``eval/moe_load_max_over_mean/layer_i``),
+layer (``eval/moe_load_max_over_mean/layer_i``; after ``rebalance``, the load on its regions
+before and after, ``eval/moe_rebalance/max_over_mean_{before,after}/layer_i``),
 ``eval/bits_per_base_by_context`` with the bin's upper edge as step (MLflow draws it as the curve),
 the table of every series and bin (``eval/bins.json``, read back with ``mlflow.load_table``), and
 ``report.json``, ``report.csv`` and ``report.png`` under ``eval/``.
@@ -201,6 +202,10 @@ def report_metrics(report: dict) -> dict[str, float]:
     for row in report.get("moe_load", []):
         out[f"eval/moe_load_max_over_mean/layer_{row['layer']}"] = row["max_over_mean"]
         out[f"eval/moe_idle_experts/layer_{row['layer']}"] = float(row["idle_experts"])
+    fit = (report.get("moe_rebalance") or {}).get("max_over_mean") or []
+    for i, (before, after) in enumerate(zip(fit[0], fit[-1]) if fit else []):
+        out[f"eval/moe_rebalance/max_over_mean_before/layer_{i}"] = before
+        out[f"eval/moe_rebalance/max_over_mean_after/layer_{i}"] = after
     return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
 
 

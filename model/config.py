@@ -88,6 +88,13 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
+        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = kinds.get(str(f.type), ())
+            if want and (not isinstance(value, want) or (isinstance(value, bool) and f.type != "bool")):
+                raise InputError(f"model.{f.name} must be a{'n' if f.type == 'int' else ''} "
+                                 f"{f.type}, got {value!r}")
         positive = ["d_model", "n_layers", "vocab_size", "kda_heads", "kda_head_dim", "kda_conv",
                     "kda_gate_rank", "dsa_heads", "dsa_kv_heads", "dsa_head_dim", "index_heads",
                     "index_dim", "topk", "n_experts", "experts_per_token", "expert_dim",

@@ -175,7 +175,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, margins: torch.Tensor | None = None,
-                    rate: float | None = None) -> None:
+                    rate: float | None = None, rule: str | None = None) -> None:
         """Aux-loss-free balancing from a step's ``load [E]`` (and ``margins [E, N_MARGIN_BINS]``).
 
         ``bias_update``: ``sign``, DeepSeek-V3's ``bias_i += rate * sign(mean(load) - load_i)``;
@@ -183,14 +183,16 @@ class MoE(nn.Module):
         ``rate`` (a fraction, e.g. 0.5) towards the bias that, each expert taken alone, would have
         given it the mean load on this step's tokens, read off its margin histogram. The first two
         move by fixed amounts whatever the scale of the scores; where scores barely vary from
-        token to token one fixed step swings whole layers' worth of tokens.
+        token to token one fixed step swings whole layers' worth of tokens. ``rule`` / ``rate``
+        override the config's ``bias_update`` / ``bias_update_rate``.
         """
         rate = self.cfg.bias_update_rate if rate is None else rate
+        rule = self.cfg.bias_update if rule is None else rule
         err = load.mean() - load
-        if self.cfg.bias_update == "quantile" and margins is not None:
+        if rule == "quantile" and margins is not None:
             delta = margin_quantile_shift(margins, float(load.mean()))
             self.bias += rate * (delta - delta.mean()).to(self.bias)
-        elif self.cfg.bias_update == "proportional":
+        elif rule == "proportional":
             self.bias += rate * (err / load.mean().clamp_min(1e-9)).to(self.bias)
         else:
             self.bias += rate * torch.sign(err).to(self.bias)

@@ -256,9 +256,15 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text):,} chars)"
 
 
+# YAML 1.2's floats: PyYAML follows YAML 1.1, which reads ``1e-3`` (no dot) as a string
+_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
+                        |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                        |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)
+
+
 def _yaml(text: str, source: str):
     """YAML without aliases: ``*name`` would let a few hundred bytes expand to gigabytes (a
-    "billion laughs"), and no megabase config needs one."""
+    "billion laughs"), and no megabase config needs one. ``1e-3`` is a float, as in YAML 1.2."""
     import yaml
 
     class NoAliases(yaml.SafeLoader):
@@ -269,6 +275,7 @@ def _yaml(text: str, source: str):
                                  "a megabase config: write the value out)", source)
             return super().compose_node(parent, index)
 
+    NoAliases.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
     try:
         return yaml.load(text, Loader=NoAliases)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:

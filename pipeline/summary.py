@@ -355,8 +355,15 @@ def _moe_lines(report: dict) -> list[str]:
     if not loads:
         return []
     idle = sum(r["idle_experts"] for r in report["moe_load"])
-    return [f"held-out MoE load, max/mean per layer {' '.join(f'{x:.2f}' for x in loads)}"
-            + (f", {idle} idle expert(s)" if idle else ", no idle expert")]
+    lines = [f"held-out MoE load, max/mean per layer {' '.join(f'{x:.2f}' for x in loads)}"
+             + (f", {idle} idle expert(s)" if idle else ", no idle expert")]
+    fit = report.get("moe_rebalance")
+    if fit and fit["max_over_mean"]:
+        before, after = (" ".join(f"{x:.2f}" for x in row) for row in
+                         (fit["max_over_mean"][0], fit["max_over_mean"][-1]))
+        lines.append(f"MoE biases re-fitted first on {', '.join(fit['regions'])} ({fit['bases']:,} "
+                     f"bases, {fit['rounds']} rounds): max/mean there {before} -> {after}")
+    return lines
 
 
 def print_run(result) -> None:

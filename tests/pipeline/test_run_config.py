@@ -22,10 +22,11 @@ def test_the_demo_file_is_the_default():
 def test_sets_are_converted_and_validated():
     cfg = load_config(None, ["train.lr=1e-3", "train.seq_warmup=false", "data.train=chr1,chr2",
                              "data.stride=null", "model.preset=debug", "model.overrides.topk=16",
-                             "name=x"])
+                             "model.overrides.bias_update_rate=1e-3", "name=x"])
     assert cfg.train.lr == 1e-3 and cfg.train.seq_warmup is False
     assert cfg.data.train == ["chr1", "chr2"] and cfg.data.stride is None
-    assert cfg.model.overrides == {"topk": 16} and cfg.name == "x"
+    # 1e-3 is a float (YAML 1.2), not the string YAML 1.1 makes of it
+    assert cfg.model.overrides == {"topk": 16, "bias_update_rate": 0.001} and cfg.name == "x"
     text = dump_config(cfg)
     assert "lr: 0.001" in text and flat_params(cfg)["model.config.topk"] == "16"
 
@@ -72,6 +73,8 @@ def test_one_home_for_every_default_and_choice():
      "train.indexer_warmup_steps needs whole sequences"),
     (["model.overrides.bias_update=median"], "model.bias_update must be one of quantile"),
     (["model.overrides.bias_update_rate=2"], "model.bias_update_rate must be >= 0 (and <= 1"),
+    (["model.overrides.bias_update_rate=fast"], "model.bias_update_rate must be a float, got 'fast'"),
+    (["model.overrides.n_experts=2.5"], "model.n_experts must be an int, got 2.5"),
     (["eval.bootstrap=0"], "eval.bootstrap must be a positive integer, got 0"),
     (["eval.edges=[0, 100, 50]"], "eval.edges must be integers that start at 0"),
     (["eval.controls=[1000"], "not valid YAML"),
