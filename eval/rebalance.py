@@ -38,8 +38,8 @@ def rebalance_moe(scorer: ModelScorer, windows: Sequence[np.ndarray], rounds: in
     ``rate`` per layer (1.0: to the bias that, each expert taken alone, gives it the mean load on
     these tokens); a last pass measures the result. Layers are updated together, so a layer sees
     the inputs its predecessors' new routing gives it only in the next round. Returns
-    ``{"rounds", "rate", "bases"`` (A/C/G/T routed), ``"max_over_mean": [[per layer] before, after round 1, ...],
-    "bias_shift": [[per expert] per layer]}``; the model's biases are left moved.
+    ``{"rounds", "rate", "bases" (A/C/G/T routed), "max_over_mean": [[per layer] before, after
+    round 1, ...], "bias_shift": [[per expert] per layer]}``; the model's biases are left moved.
     """
     layers = scorer.model.moe_layers()
     if not layers:
