@@ -153,6 +153,14 @@ def pooled(acc: BinAccumulator, lo: int) -> BinAccumulator:
     return out
 
 
+def whole(acc: BinAccumulator) -> BinAccumulator:
+    """``acc`` with one bin, every context length pooled."""
+    out = BinAccumulator([acc.edges[0], acc.edges[-1]])
+    out.nats = [n.sum(0, keepdims=True) for n in acc.nats]
+    out.counts = [c.sum(0, keepdims=True) for c in acc.counts]
+    return out
+
+
 def gain_beyond(full: BinAccumulator, control: BinAccumulator, lo: int, n_boot: int = 1000,
                 seed: int = 0) -> dict:
     """:func:`paired_gain` of ``control`` over ``full`` pooled over every bin beyond ``lo``: one

@@ -11,7 +11,7 @@ import numpy as np
 from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import parse_region
 
-from .bins import check_edges, default_edges, gain_beyond, paired_gain
+from .bins import check_edges, default_edges, gain_beyond, paired_gain, whole
 from .config import EvalConfig
 from .copymodel import CopyModel, CopySpec
 from .markov import MarkovModel
@@ -147,7 +147,13 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     edges = check_edges(o.edges) if o.edges else default_edges(longest)
     n_boot, seed = o.bootstrap, o.seed
     scorer = ModelScorer(model, o.segment)
-    rebalanced = rebalance(scorer, store, regions if windows is None else [], o, length, progress)
+    fit_on = rebalance_windows(store, regions if windows is None else [], o, length)
+    rebalanced = None
+    if fit_on:  # the same windows with the trained selection first: a paired comparison
+        with scorer.counting_load() as trained_load:
+            trained = accumulate(scorer, store, wins, edges, progress, "trained routing")
+        rebalanced = {"regions": list(o.rebalance),
+                      **rebalance_moe(scorer, fit_on, o.rebalance_rounds, progress=progress)}
     with scorer.counting_load() as load:
         scored = accumulate(scorer, store, wins, edges, progress, "model")
     ckpt = Path(checkpoint).resolve()
@@ -158,7 +164,11 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
               "window_length": longest, "edges": edges,
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
     if rebalanced:
-        report["moe_rebalance"] = rebalanced
+        report["moe_rebalance"] = {
+            **rebalanced, "trained": {**trained.summary(n_boot=n_boot, seed=seed)["overall"],
+                                      "moe_load": moe_load_summary(trained_load)},
+            # trained minus re-fitted routing, paired per window: what the imbalance costs
+            "cost": paired_gain(whole(scored), whole(trained), n_boot, seed)[0]}
     report["controls"], report["context_gain"] = {}, {}
     controls = {}
     for c in o.controls:
@@ -192,12 +202,12 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     return _finish(report, out, tracking)
 
 
-def rebalance(scorer: ModelScorer, store: TokenStore, scored: list[str], o: EvalConfig,
-              length: int, progress: bool) -> dict | None:
-    """``o.rebalance``: re-fit the MoE selection biases on those regions' bases
-    (:mod:`megabase.eval.rebalance`), refusing regions that share bases with the ``scored`` ones."""
+def rebalance_windows(store: TokenStore, scored: list[str], o: EvalConfig,
+                      length: int) -> list[np.ndarray]:
+    """``o.rebalance``'s bases in windows of ``length`` (token arrays), refusing regions that share
+    bases with the ``scored`` ones; checked before any scoring."""
     if not o.rebalance:
-        return None
+        return []
     splits = {"rebalance": list(o.rebalance), **({"scored": scored} if scored else {})}
     tiles, _ = make_windows(store, splits, length, max_n_frac=1.0)
     wins = [np.array(store.tokens(w.chrom)[w.start : w.end]) for w in tiles if w.split == "rebalance"]
@@ -205,8 +215,7 @@ def rebalance(scorer: ModelScorer, store: TokenStore, scored: list[str], o: Eval
     if not wins:
         raise InputError("{rebalance}: its regions hold no A/C/G/T to route", store.path,
                          options=("rebalance",))
-    entry = rebalance_moe(scorer, wins, o.rebalance_rounds, progress=progress)
-    return {"regions": list(o.rebalance), **entry}
+    return wins
 
 
 def moe_load_summary(load) -> list[dict]:

@@ -14,7 +14,9 @@ limit gives the model and the copy model (``eval/context_worth_C/{model,copy}/{a
 repeat}`` with CIs, and ``.../share``, the model's gain over the copy model's), the recall probe
 per distance (``eval/probe/d_D/...``, with the DSA hit rates per layer), the held-out MoE load per
 layer (``eval/moe_load_max_over_mean/layer_i``; after ``rebalance``, the load on its regions
-before and after, ``eval/moe_rebalance/max_over_mean_{before,after}/layer_i``),
+before and after, ``eval/moe_rebalance/max_over_mean_{before,after}/layer_i``, and the same
+windows' bits with the trained biases, ``.../trained_bits_per_base``, minus the re-fitted ones,
+``.../cost_bits_per_base``),
 ``eval/bits_per_base_by_context`` with the bin's upper edge as step (MLflow draws it as the curve),
 the table of every series and bin (``eval/bins.json``, read back with ``mlflow.load_table``), and
 ``report.json``, ``report.csv`` and ``report.png`` under ``eval/``.
@@ -206,6 +208,11 @@ def report_metrics(report: dict) -> dict[str, float]:
     for i, (before, after) in enumerate(zip(fit[0], fit[-1]) if fit else []):
         out[f"eval/moe_rebalance/max_over_mean_before/layer_{i}"] = before
         out[f"eval/moe_rebalance/max_over_mean_after/layer_{i}"] = after
+    if (report.get("moe_rebalance") or {}).get("cost"):
+        out["eval/moe_rebalance/cost_bits_per_base"] = \
+            report["moe_rebalance"]["cost"]["all"]["gain_bits_per_base"]
+        out["eval/moe_rebalance/trained_bits_per_base"] = \
+            report["moe_rebalance"]["trained"]["bits_per_base"]
     return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
 
 

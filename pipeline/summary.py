@@ -363,6 +363,13 @@ def _moe_lines(report: dict) -> list[str]:
                          (fit["max_over_mean"][0], fit["max_over_mean"][-1]))
         lines.append(f"MoE biases re-fitted first on {', '.join(fit['regions'])} ({fit['bases']:,} "
                      f"bases, {fit['rounds']} rounds): max/mean there {before} -> {after}")
+        cost, was = fit["cost"]["all"], fit["trained"]
+        if cost["gain_bits_per_base"] is not None:
+            lo, hi = (f"{x:+.4f}" if x is not None else "?" for x in cost["ci"])
+            loads = " ".join(f"{r['max_over_mean']:.2f}" for r in was["moe_load"])
+            lines.append(f"with the trained biases the same windows score {was['bits_per_base']:.4f} "
+                         f"bits/base (max/mean {loads}): the imbalance costs "
+                         f"{cost['gain_bits_per_base']:+.4f} ({lo}, {hi}) bits/base")
     return lines
 
 

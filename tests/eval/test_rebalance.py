@@ -12,6 +12,7 @@ import torch
 
 from megabase.eval.rebalance import rebalance_moe
 from megabase.eval.score import ModelScorer
+from megabase.eval.tracking import report_metrics
 from megabase.model import load_checkpoint
 from megabase.pipeline.cli import main
 
@@ -56,7 +57,19 @@ def test_rebalancing_evens_the_held_out_load(skewed, bundled_store, tmp_path, ca
     assert fitted["overall"]["n_tokens"] == trained["overall"]["n_tokens"]
     assert fitted["overall"]["bits_per_base"] != trained["overall"]["bits_per_base"]
     assert abs(fitted["overall"]["bits_per_base"] - trained["overall"]["bits_per_base"]) < 0.1
-    assert f"MoE biases re-fitted first on {FIT}" in out
+    # its own pass with the trained biases is the other run's scoring, paired per window
+    was = fit["trained"]
+    assert was["n_tokens"] == trained["overall"]["n_tokens"]
+    assert was["bits_per_base"] == pytest.approx(trained["overall"]["bits_per_base"], abs=1e-9)
+    assert [r["max_over_mean"] for r in was["moe_load"]] == pytest.approx(before, abs=1e-6)
+    cost = fit["cost"]["all"]
+    assert cost["gain_bits_per_base"] == pytest.approx(
+        was["bits_per_base"] - fitted["overall"]["bits_per_base"], abs=1e-9)
+    assert cost["ci"][0] <= cost["gain_bits_per_base"] <= cost["ci"][1]
+    assert f"MoE biases re-fitted first on {FIT}" in out and "the imbalance costs" in out
+    metrics = report_metrics(fitted)
+    assert metrics["eval/moe_rebalance/cost_bits_per_base"] == cost["gain_bits_per_base"]
+    assert metrics["eval/moe_rebalance/max_over_mean_after/layer_0"] == fit["max_over_mean"][-1][0]
 
 
 def test_no_rounds_measure_without_moving(skewed, bundled_store):
