@@ -97,19 +97,26 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E, h, d) * h**-0.5)
         self.shared = SwiGLU(d, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
         self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
+        # a routing tape (megabase.rl.replay) records each token's experts or imposes recorded ones
+        self.tape = None
 
-    def _route(self, x: torch.Tensor):
-        """``x [n, d]`` -> (scores [n, E] fp32, selected experts [n, k], gates [n, k])."""
+    def _route(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """``x [n, d]`` -> (scores [n, E] fp32, selected experts [n, k], gates [n, k], own choice
+        [n, k]). ``forced [n, k]``: experts to use instead of the router's own top k (routing
+        replay); the gates are still the router's scores of them, so the router keeps its
+        gradient."""
         scores = torch.sigmoid(self.router(x).float())
-        sel = (scores.detach() + self.bias).topk(self.cfg.experts_per_token, dim=-1).indices
+        own = (scores.detach() + self.bias).topk(self.cfg.experts_per_token, dim=-1).indices
+        sel = own if forced is None else forced.long()
         gates = scores.gather(-1, sel)
         gates = gates / gates.sum(-1, keepdim=True) * self.cfg.routed_scale
-        return scores, sel, gates
+        return scores, sel, gates, own
 
-    def _chunk(self, x: torch.Tensor):
-        """One chunk ``[n, d]`` -> (out [n, d], load [E], normalised score sum [E])."""
+    def _chunk(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """One chunk ``[n, d]`` -> (out [n, d], stats [E, 1 + N_MARGIN_BINS], normalised score sum
+        [E], experts used [n, k], the router's own choice [n, k])."""
         E = self.cfg.n_experts
-        scores, sel, gates = self._route(x)
+        scores, sel, gates, own = self._route(x, forced)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         tok, slot, tiles = _dispatch(sel, E)
         if tok.numel():
@@ -121,7 +128,8 @@ class MoE(nn.Module):
             out = out.index_add(0, rows[keep], (y[keep] * g.to(y.dtype)).to(out.dtype))
         load = torch.bincount(sel.flatten(), minlength=E).float()
         share = (scores / scores.sum(-1, keepdim=True)).sum(0)
-        return out, torch.cat([load[:, None], self.margins(scores.detach(), sel)], 1), share
+        stats = torch.cat([load[:, None], self.margins(scores.detach(), sel)], 1)
+        return out, stats, share, sel, own
 
     def margins(self, scores: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """Histogram ``[E, N_MARGIN_BINS]`` over tokens of each expert's routing margin: how far its
@@ -147,16 +155,21 @@ class MoE(nn.Module):
         E, chunk = self.cfg.n_experts, self.cfg.moe_chunk
         outs, aux = [], x.new_zeros((), dtype=torch.float)
         stats = torch.zeros(E, 1 + N_MARGIN_BINS, device=x.device)
+        forced = None if self.tape is None else self.tape.take(self, B, T)
+        used, owns = [], []
         for b in range(B):
             seq_stats = torch.zeros_like(stats)
             seq_share = torch.zeros(E, device=x.device)
             for s in range(0, T, chunk):
                 xc = x[b, s : s + chunk]
+                fc = None if forced is None else forced[b, s : s + chunk]
                 if torch.is_grad_enabled() and T > chunk:
-                    y, cnt, share = checkpoint(self._chunk, xc, use_reentrant=False)
+                    y, cnt, share, sel, own = checkpoint(self._chunk, xc, fc, use_reentrant=False)
                 else:
-                    y, cnt, share = self._chunk(xc)
+                    y, cnt, share, sel, own = self._chunk(xc, fc)
                 outs.append(y)
+                used.append(sel)
+                owns.append(own)
                 seq_stats, seq_share = seq_stats + cnt, seq_share + share
             stats = stats + seq_stats
             if self.cfg.seq_aux_weight > 0 and T > 0:
@@ -164,6 +177,9 @@ class MoE(nn.Module):
                 aux = aux + self.balance_loss(self.sequence.total(seq_stats[:, 0]), seq_share,
                                               T * self.sequence.size) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
+        if self.tape is not None and outs:
+            k = self.cfg.experts_per_token
+            self.tape.put(self, torch.cat(used).reshape(B, T, k), torch.cat(owns).reshape(B, T, k))
         return y, aux, stats.detach()
 
     def balance_loss(self, load: torch.Tensor, share: torch.Tensor, T: int) -> torch.Tensor:

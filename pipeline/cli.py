@@ -233,6 +233,13 @@ def cmd_run(args: argparse.Namespace) -> None:
     summary.print_run(run(cfg, progress=not args.quiet))
 
 
+def cmd_rl(args: argparse.Namespace) -> None:
+    from megabase.rl import load_rl_config, rl
+
+    cfg = load_rl_config(args.config, args.set or [])
+    summary.print_rl(rl(cfg, progress=not args.quiet))
+
+
 def _csv(text: str | None) -> list[str]:
     """Comma-separated names; commas inside region coordinates are kept."""
     from megabase.data.windows import split_regions
@@ -396,6 +403,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("rl", help="reinforcement learning from a checkpoint: asynchronous generator "
+                       "and trainer, in-flight weight updates, routing replay (MLflow-tracked)")
+    p.add_argument("--config", required=True, help="YAML RL config (see configs/rl-*.yaml)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config key, e.g. steps=10 or reward.threshold=0.9")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_rl)
+
     p = sub.add_parser("compare", help="bits/base per context bin of several reports side by side")
     p.add_argument("refs", nargs="+", metavar="RUN_ID_OR_REPORT",
                    help="report.json, a report directory, or an MLflow run id")
@@ -461,6 +476,7 @@ FLAGS = {"on_short": "--short keep", "splits": "--split"}
 CONFIG_KEYS = {"length": "data.window_length", "stride": "data.stride",
                "max_n_frac": "data.max_n_frac", "out": "data.store",
                "baselines": "eval.baselines", "train": "data.train"}
+RL_KEYS = {"regions": "prompt.regions", "dsa_stage": "checkpoint"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         if args.command in ("run", "train"):
             line = exc.named(lambda name: CONFIG_KEYS.get(name, name))
+        elif args.command == "rl":
+            line = exc.named(lambda name: RL_KEYS.get(name, name))
         else:
             line = exc.named(lambda name: FLAGS.get(name) or _flag(name))
         print(f"megabase {args.command}: error: {line}", file=sys.stderr)

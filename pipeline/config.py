@@ -203,7 +203,7 @@ def _build(cls, data: dict, prefix: str, source: str):
     if not isinstance(data, dict):
         raise InputError(f"{prefix or 'the config'} must be a mapping, got {data!r}", source)
     hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
+    known = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
     for key in data:
         if key not in known:
             where = f"{prefix}.{key}" if prefix else key
@@ -285,8 +285,9 @@ def _yaml(text: str, source: str):
                          source) from None
 
 
-def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file ``path`` (if any), then each ``--set`` in order; validated."""
+def build_tree(cls, path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()):
+    """A config dataclass ``cls`` from its defaults, the YAML file ``path`` (if any) and each
+    ``--set section.key=value`` in order, every key and value checked (not yet cross-checked)."""
     tree: dict = {}
     source = "--set"
     if path is not None:
@@ -297,7 +298,13 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
         tree = _yaml(path.read_text(), str(path)) or {}
     for assignment in sets:
         _set(tree, assignment)
-    cfg = _build(RunConfig, tree, "", source)
+    return _build(cls, tree, "", source)
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file ``path`` (if any), then each ``--set`` in order; validated."""
+    source = "--set" if path is None else str(path)
+    cfg = build_tree(RunConfig, path, sets)
     from megabase.model import get_preset
 
     get_preset(cfg.model.preset, **cfg.model.overrides)  # unknown preset / model key: clear error

@@ -402,3 +402,29 @@ def print_run(result) -> None:
         console.print(f"report: {result.report} (+ report.csv, report.png)")
     console.print(_mlflow_hint(result.tracking_uri, result.run_id))
     console.print(f"total {result.seconds:.1f} s")
+
+
+def print_rl(result) -> None:
+    """Reward, held-out check, KL, mismatch and staleness at the start and the end; files."""
+    console = Console()
+    table = Table(title=f"rl: {result.steps} steps in {result.seconds / 60:.1f} min",
+                  title_justify="left")
+    for col in ("", "first 5 steps", "last 5 steps"):
+        table.add_column(col, justify="left" if not col else "right")
+    rows = [("reward", "reward"), ("held-out motif hits", "heldout/motif_hits"),
+            ("KL to the start (k3)", "kl_start"), ("bits/base under the start", "start_bits_per_base"),
+            ("mismatch k3 (same weights)", "mismatch/k3"),
+            ("routing differs", "mismatch/routing_differs"),
+            ("distinct 6-mers", "sample/distinct_kmers")]
+    for label, key in rows:
+        fmt = (lambda x: "-" if x != x else f"{x:.2e}") if key.startswith("mismatch") else _num
+        table.add_row(label, fmt(result.mean(key, first=5)), fmt(result.mean(key, last=5)))
+    console.print(table)
+    st = result.staleness
+    console.print(f"groups kept {st['kept']:,}, dropped {st['dropped']:,} (lag histogram "
+                  f"{st['lag_histogram']})")
+    if result.seconds_to_target is not None:
+        console.print(f"target reward reached after {result.seconds_to_target:.0f} s")
+    console.print(f"  checkpoint: {result.checkpoint}")
+    for name, path in result.files.items():
+        console.print(f"  {name}: {path}")

@@ -1,0 +1,114 @@
+"""The trainer's side: score a batch of groups under the policy (replaying the generator's
+routing), take one optimizer step, and measure how far it and the generator disagree."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from .config import RLConfig
+from .loss import LN2, group_advantages, mismatch, rl_loss
+from .replay import taped
+from .rollout import Rollout
+
+
+def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature: float,
+                      routing: list[torch.Tensor] | None = None, force: bool = True):
+    """Log-probs ``[N, L]`` of the sampled bases ``tokens[:, prompt_len:]`` given everything
+    before them (one parallel pass over ``tokens[:, :-1]``), and the share of (token, MoE layer)
+    pairs whose experts differ between ``routing`` and the router (0 without ``routing``)."""
+    inputs = tokens[:, :-1]
+    if routing is None:
+        logits = model(inputs).logits
+        flips = 0.0
+    else:
+        with taped(model, [r[:, : inputs.shape[1]] for r in routing], force) as tape:
+            logits = model(inputs).logits
+        flips = tape.flip_rate
+    logp = torch.log_softmax(logits[:, prompt_len - 1 :].float() / temperature, -1)
+    return logp.gather(-1, tokens[:, prompt_len:, None])[..., 0], flips
+
+
+def clean_bases(versions: torch.Tensor, version: int, recompute_state: bool) -> torch.Tensor:
+    """Bases ``[N, L]`` the generator computed wholly with the weights of ``version``: sampled by
+    it, and (unless the cache is recomputed on an update) in a sample whose every earlier base was
+    too, since a kept cache carries the older weights' keys and states forward."""
+    same = versions == version
+    if recompute_state:
+        return same
+    return same & (versions[:, :1] == version)  # versions only grow along a sample
+
+
+def merge(groups: list[Rollout]) -> dict:
+    """Stack groups (same prompt and sample lengths) into one batch."""
+    routing = None
+    if all(g.routing is not None for g in groups):
+        routing = [torch.cat(layer) for layer in zip(*(g.routing for g in groups))]
+    return {"tokens": torch.cat([g.tokens for g in groups]),
+            "behaviour": torch.cat([g.behaviour for g in groups]),
+            "versions": torch.cat([g.versions for g in groups]),
+            "rewards": torch.cat([g.rewards for g in groups]),
+            "routing": routing, "prompt_len": groups[0].prompt_len}
+
+
+class Trainer:
+    """The policy, a frozen copy of the starting model, AdamW, and the version counter."""
+
+    def __init__(self, model, cfg: RLConfig):
+        self.cfg = cfg
+        self.policy = model.eval()  # the generator's path (no indexer training); gradients still flow
+        self.start = copy.deepcopy(model).eval()
+        for p in self.start.parameters():
+            p.requires_grad_(False)
+        for moe in self.policy.moe_layers():
+            moe.bias.requires_grad_(False)  # selection biases stay as trained
+        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad],
+                                           lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.version = 0
+
+    def step(self, groups: list[Rollout], measure_both: bool = True) -> dict[str, float]:
+        """One update on ``groups``; the metrics of the step (before the update's effect)."""
+        cfg = self.cfg
+        b = merge(groups)
+        P, routing = b["prompt_len"], b["routing"]
+        replay = cfg.routing_replay and routing is not None
+        logp, flips = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature, routing,
+                                        force=replay)
+        with torch.no_grad():
+            ref, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature)
+        adv = group_advantages(b["rewards"], cfg.group_size)
+        parts = rl_loss(logp, b["behaviour"], adv, ref_logp=ref, mask_ratio=cfg.mask_ratio,
+                        log_ratio_weight=cfg.log_ratio_weight, beta=cfg.beta)
+        same = clean_bases(b["versions"], self.version, cfg.recompute_state)
+        m = mismatch(logp, b["behaviour"], same)
+        metrics = {f"mismatch/{k}": v for k, v in m.items()}
+        metrics.update({f"mismatch_inflight/{k}": v for k, v in mismatch(logp, b["behaviour"]).items()})
+        metrics["mismatch/routing_differs"] = flips
+        if measure_both and routing is not None:
+            # the other side of the comparison: the same pass with replay switched the other way
+            with torch.no_grad():
+                other, other_flips = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature,
+                                                       routing, force=not replay)
+            tag = "without_replay" if replay else "with_replay"
+            for k, v in mismatch(other, b["behaviour"], same).items():
+                metrics[f"mismatch_{tag}/{k}"] = v
+            metrics[f"mismatch_{tag}/routing_differs"] = other_flips
+        self.optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.version += 1
+        rewards = b["rewards"].double()
+        metrics.update({
+            "reward": float(rewards.mean()), "reward_max": float(rewards.max()),
+            "loss": float(parts.loss.detach()), "policy_loss": parts.policy,
+            "log_ratio": parts.log_ratio, "kept": parts.kept, "grad_norm": float(norm),
+            "kl_start": parts.kl_start,
+            "start_bits_per_base": float(-ref.mean() / LN2),
+            "policy_bits_per_base": float(-logp.detach().mean() / LN2),
+            "lag_mean": float(np.mean([self.version - 1 - int(g.versions.min()) for g in groups])),
+        })
+        return {k: (v if math.isfinite(v) else math.nan) for k, v in metrics.items()}
