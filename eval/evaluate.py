@@ -97,8 +97,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     ``regions`` / ``train`` are the held-out / training regions the checkpoint's run recorded.
     ``out``: default ``CHECKPOINT/eval``.
     MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
-    (``config.json`` key ``mlflow``), else to a new run of ``experiment`` when one is named;
-    ``track=False`` logs nothing.
+    (``config.json`` key ``mlflow``) unless ``tracking_uri`` names another store, else to a new
+    run of ``experiment`` when one is named or the store is another; ``track=False`` logs nothing.
     """
     from megabase.model import load_checkpoint, read_checkpoint_config
     from megabase.pipeline.checkpointing import resolve_checkpoint
@@ -127,7 +127,11 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     tracking = None
     if track:
         recorded_run = config.get("mlflow") or {}
-        run = mlflow_run or (None if experiment else recorded_run.get("run_id"))
+        elsewhere = tracking_uri is not None and recorded_run.get("tracking_uri") is not None and \
+            resolve_tracking_uri(tracking_uri) != recorded_run["tracking_uri"]
+        run = mlflow_run or (None if experiment or elsewhere else recorded_run.get("run_id"))
+        if elsewhere and not run:  # another store than the training run's: a new run there
+            experiment = experiment or DEFAULT_EXPERIMENT
         if run or experiment:
             uri = tracking_uri or (recorded_run.get("tracking_uri")
                                    if run == recorded_run.get("run_id") else None)

@@ -30,7 +30,7 @@ class RewardConfig:
 
     motifs: list[str] = field(default_factory=lambda: ["MA0139.2"])  # JASPAR matrix ids (CTCF)
     release: str = "JASPAR2026"  # the JASPAR release the matrices are read from (pyjaspar)
-    threshold: float = 0.85  # a hit: relative PWM score (0 = worst, 1 = best word) at least this
+    threshold: float = 0.8  # a hit: relative PWM score (0 = worst, 1 = best word) at least this
     gc_window: int = 50
     gc_min: float = 0.3
     gc_max: float = 0.7
@@ -40,7 +40,7 @@ class RewardConfig:
     function: str | None = None  # instead: "module:function" or "file.py:function", sequences -> rewards
     # the held-out check the policy is not trained on: other matrices and a stricter threshold
     heldout_motifs: list[str] = field(default_factory=lambda: ["MA0139.1"])  # CTCF, older matrix
-    heldout_threshold: float = 0.9
+    heldout_threshold: float = 0.85
 
 
 @dataclass

@@ -148,12 +148,14 @@ class AsyncGenerator:
     def close(self) -> None:
         self.stop.set()
         self.consumed.value += 10**9  # release a generator waiting for the trainer
-        try:
-            while True:
-                self.queue.get_nowait()
-        except (queue_mod.Empty, OSError, ValueError):
-            pass
-        self.proc.join(timeout=30)
+        deadline = time.monotonic() + 60
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            try:  # a batch it is still putting must be read for it to exit
+                while True:
+                    self.queue.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):
+                pass
+            self.proc.join(timeout=0.5)
         if self.proc.is_alive():
             self.proc.kill()
 
@@ -336,7 +338,9 @@ def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) ->
                "staleness": result.staleness, "checkpoint": str(result.checkpoint),
                "config": cfg.to_dict() | {"base": None}}
     for key in ("mismatch_without_replay/k3", "mismatch_with_replay/k3", "mismatch/routing_differs",
-                "mismatch_without_replay/routing_differs", "mismatch_with_replay/routing_differs"):
+                "mismatch_without_replay/routing_differs", "mismatch_with_replay/routing_differs",
+                "mismatch_inflight/k3", "mismatch_inflight_without_replay/k3",
+                "mismatch_inflight_with_replay/k3"):
         if any(key in h for h in result.history):
             summary[key] = result.mean(key)
     files["summary"] = str(write_atomic(out / "summary.json",

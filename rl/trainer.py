@@ -85,7 +85,9 @@ class Trainer:
         same = clean_bases(b["versions"], self.version, cfg.recompute_state)
         m = mismatch(logp, b["behaviour"], same)
         metrics = {f"mismatch/{k}": v for k, v in m.items()}
-        metrics.update({f"mismatch_inflight/{k}": v for k, v in mismatch(logp, b["behaviour"]).items()})
+        # every base, old caches and older weights included: what the importance ratio corrects
+        inflight = mismatch(logp, b["behaviour"])
+        metrics.update({f"mismatch_inflight/{k}": v for k, v in inflight.items()})
         metrics["mismatch/routing_differs"] = flips
         if measure_both and routing is not None:
             # the other side of the comparison: the same pass with replay switched the other way
@@ -95,6 +97,8 @@ class Trainer:
             tag = "without_replay" if replay else "with_replay"
             for k, v in mismatch(other, b["behaviour"], same).items():
                 metrics[f"mismatch_{tag}/{k}"] = v
+            for k, v in mismatch(other, b["behaviour"]).items():
+                metrics[f"mismatch_inflight_{tag}/{k}"] = v
             metrics[f"mismatch_{tag}/routing_differs"] = other_flips
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()

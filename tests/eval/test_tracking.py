@@ -72,6 +72,25 @@ def test_checkpoint_from_a_run_reports_into_that_run(tracked, bundled_store, tmp
     assert "eval/bits_per_base" in after.data.metrics
 
 
+def test_another_store_gets_a_new_run(tracked, bundled_store, tmp_path):
+    """--tracking-uri naming another store than the training run's: a new run there, not an
+    error about the training run missing from it."""
+    from mlflow.tracking import MlflowClient
+
+    from megabase.model import load_checkpoint, save_checkpoint
+
+    ckpt = save_checkpoint(load_checkpoint(tracked["ckpt"]), tmp_path / "ckpt", extra={
+        "window_length": 2048, "mlflow": {"tracking_uri": tracked["uri"], "run_id": "f" * 32}})
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-2,048", "--controls", "", "--no-probe", "--bootstrap", "5",
+                 "--baselines", "", "--no-copy", "--tracking-uri", other,
+                 "--quiet", "--out", str(tmp_path / "eval")]) == 0
+    client = MlflowClient(other)
+    (run,) = client.search_runs([client.get_experiment_by_name("megabase").experiment_id])
+    assert "eval/bits_per_base" in run.data.metrics and run.info.status == "FINISHED"
+
+
 def test_unknown_run_fails_before_scoring(tracked, bundled_store, tmp_path, capsys):
     code = main(["evaluate", "--checkpoint", str(tracked["ckpt"]), "--data",
                  str(bundled_store.path), "--tracking-uri", tracked["uri"],

@@ -53,7 +53,7 @@ def test_on_human_dna(hsap_store, ctcf):
     hits = ctcf.parts(x)["motif_hits"]
     assert 0.02 < hits.mean() < 2  # sparse, not absent: something for RL to raise
     held = MotifReward(RewardConfig(), ["MA0139.1"], 0.85).parts(x)["motif_hits"]
-    assert np.corrcoef(hits, held)[0, 1] > 0.3  # the held-out matrix sees the same sites
+    assert held.sum() >= 5 and hits[held > 0].mean() > 2 * hits.mean()  # it sees the same sites
     d = diversity(x)
     assert 0.6 < d["hamming"] < 0.8 and d["distinct_kmers"] > 0.5
 

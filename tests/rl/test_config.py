@@ -1,0 +1,35 @@
+"""RL configs: the shipped ones load; every key is checked as a run config's are."""
+
+from pathlib import Path
+
+import pytest
+
+from megabase.data import InputError
+from megabase.rl.config import load_rl_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("rl-*.yaml")))
+def test_shipped_rl_configs_load(name):
+    cfg = load_rl_config(CONFIGS / name)
+    assert cfg.checkpoint and cfg.prompt.regions and cfg.reward.motifs and cfg.asynchronous
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["checkpoint=c", "prompt.fasta=f", "prompt.data=s", "prompt.regions=[chr1]"], "one source"),
+    (["checkpoint=c", "prompt.data=s"], "prompt.regions must name at least one region"),
+    (["checkpoint=c", "prompt.fasta=f", "reward.sites=[GGNNCC]"], "not a word of A/C/G/T"),
+    (["checkpoint=c", "prompt.fasta=f", "reward.gc_min=0.8"], "reward.gc_min must be <="),
+    (["checkpoint=c", "prompt.fasta=f", "lr=0"], "lr must be positive"),
+    (["checkpoint=c", "prompt.fasta=f", "base=/"], "unknown key 'base'"),
+    (["prompt.fasta=f"], "checkpoint is required"),
+])
+def test_bad_values_are_refused(sets, message):
+    with pytest.raises(InputError, match=message):
+        load_rl_config(None, sets)
+
+
+def test_synchronous_means_no_batch_ahead():
+    cfg = load_rl_config(None, ["checkpoint=c", "prompt.fasta=f", "asynchronous=false"])
+    assert cfg.async_level == 0
