@@ -205,7 +205,8 @@ def report_metrics(report: dict) -> dict[str, float]:
         out[f"eval/moe_load_max_over_mean/layer_{row['layer']}"] = row["max_over_mean"]
         out[f"eval/moe_idle_experts/layer_{row['layer']}"] = float(row["idle_experts"])
     fit = (report.get("moe_rebalance") or {}).get("max_over_mean") or []
-    for i, (before, after) in enumerate(zip(fit[0], fit[-1]) if fit else []):
+    kept = (report.get("moe_rebalance") or {}).get("kept", len(fit) - 1)
+    for i, (before, after) in enumerate(zip(fit[0], fit[kept]) if fit else []):
         out[f"eval/moe_rebalance/max_over_mean_before/layer_{i}"] = before
         out[f"eval/moe_rebalance/max_over_mean_after/layer_{i}"] = after
     if (report.get("moe_rebalance") or {}).get("cost"):

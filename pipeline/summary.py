@@ -359,10 +359,12 @@ def _moe_lines(report: dict) -> list[str]:
              + (f", {idle} idle expert(s)" if idle else ", no idle expert")]
     fit = report.get("moe_rebalance")
     if fit and fit["max_over_mean"]:
+        kept = fit.get("kept", len(fit["max_over_mean"]) - 1)
         before, after = (" ".join(f"{x:.2f}" for x in row) for row in
-                         (fit["max_over_mean"][0], fit["max_over_mean"][-1]))
+                         (fit["max_over_mean"][0], fit["max_over_mean"][kept]))
         lines.append(f"MoE biases re-fitted first on {', '.join(fit['regions'])} ({fit['bases']:,} "
-                     f"bases, {fit['rounds']} rounds): max/mean there {before} -> {after}")
+                     f"bases, {fit['rounds']} rounds, kept those after round {kept}): max/mean "
+                     f"there {before} -> {after}")
         cost, was = fit["cost"]["all"], fit["trained"]
         if cost["gain_bits_per_base"] is not None:
             lo, hi = (f"{x:+.4f}" if x is not None else "?" for x in cost["ci"])
