@@ -46,9 +46,6 @@ class WeightChannel:
             self.flat.copy_(flat_parameters(model))
             self.version.value = version
 
-    def current(self) -> int:
-        return int(self.version.value)
-
     def take(self, model, have: int) -> int | None:
         """Copy newer weights than version ``have`` into ``model`` (any dtype); their version."""
         if self.version.value == have:

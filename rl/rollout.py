@@ -39,10 +39,6 @@ class Rollout:
     seconds: float = 0.0
 
     @property
-    def sample_length(self) -> int:
-        return self.behaviour.shape[1]
-
-    @property
     def policies(self) -> int:
         """Policy versions that contributed bases to this group."""
         return int(torch.unique(self.versions).numel())

@@ -84,25 +84,16 @@ def generator_worker(cfg: RLConfig, checkpoint: str, channel: WeightChannel, que
         from megabase.infer.common import load_model
 
         torch.set_num_threads(_threads(cfg))
-        model = generator_model(load_model(checkpoint), cfg)
-        version = channel.take(model, -1)
-        scorer, prompts = Scorer(cfg), Prompts(cfg)
-        rng = np.random.default_rng(cfg.seed)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        batch = 0
+        source = SyncGenerator(cfg, load_model(checkpoint), channel, copy=False)
         while not stop.is_set():
-            while consumed.value < batch - cfg.async_level:
+            while consumed.value < source.batch - cfg.async_level:
                 if stop.is_set():
                     return
                 time.sleep(0.002)
-            picks = [prompts.draw(rng, batch * cfg.prompts_per_step + i)
-                     for i in range(cfg.prompts_per_step)]
             inflight.value = 1
-            groups, version = sample_batch(model, picks, cfg, batch, channel, version, gen)
-            scorer(groups)
+            groups = source.next()
             inflight.value = 0
             queue.put(groups)
-            batch += 1
     except BaseException as exc:  # the trainer reports it
         line = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
         queue.put(("error", line, isinstance(exc, InputError), traceback.format_exc()))
@@ -122,7 +113,6 @@ class AsyncGenerator:
                                 args=(cfg, checkpoint, channel, self.queue, self.consumed,
                                       self.inflight, self.stop))
         self.proc.start()
-        self.produced = 0
 
     def next(self) -> list[Rollout]:
         while True:
@@ -137,7 +127,6 @@ class AsyncGenerator:
             if is_input:
                 raise InputError(line)
             raise RuntimeError(f"the generator failed: {line}\n{trace}")
-        self.produced += 1
         self.consumed.value += 1
         return item
 
@@ -161,15 +150,18 @@ class AsyncGenerator:
 
 
 class SyncGenerator:
-    """Generator and trainer in one process, taking turns (the synchronous baseline)."""
+    """Batches decoded in this process: the synchronous baseline (trainer and generator taking
+    turns), and the body of the asynchronous generator's process. ``copy``: decode with a copy
+    of ``model`` (the trainer's, in one process); ``scorer`` / ``prompts``: ones already built."""
 
-    def __init__(self, cfg: RLConfig, model, channel: WeightChannel):
-        import copy
+    def __init__(self, cfg: RLConfig, model, channel: WeightChannel, copy: bool = True,
+                 scorer: Scorer | None = None, prompts: Prompts | None = None):
+        import copy as copying
 
         self.cfg, self.channel = cfg, channel
-        self.model = generator_model(copy.deepcopy(model), cfg)
+        self.model = generator_model(copying.deepcopy(model) if copy else model, cfg)
         self.version = channel.take(self.model, -1)
-        self.scorer, self.prompts = Scorer(cfg), Prompts(cfg)
+        self.scorer, self.prompts = scorer or Scorer(cfg), prompts or Prompts(cfg)
         self.rng = np.random.default_rng(cfg.seed)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.batch = 0
@@ -219,7 +211,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
     out = check_output_dir(cfg.path(cfg.out))
     checkpoint = str(resolve_checkpoint(cfg.path(cfg.checkpoint)))
     model = load_model(checkpoint)
-    Prompts(cfg)  # bad prompts: refused here, before a process starts
+    prompts = Prompts(cfg)  # bad prompts: refused here, before a process starts
     probe = Scorer(cfg)
     probe([Rollout(0, 0, torch.zeros(2, 1 + cfg.sample_length, dtype=torch.int64), 1,
                    torch.zeros(2, cfg.sample_length), torch.zeros(2, cfg.sample_length,
@@ -234,7 +226,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
     client = _mlflow(target)
     client.log_batch(target["run_id"], params=_params(cfg, checkpoint))
     source = AsyncGenerator(cfg, checkpoint, channel) if cfg.asynchronous else \
-        SyncGenerator(cfg, trainer.policy, channel)
+        SyncGenerator(cfg, trainer.policy, channel, scorer=probe, prompts=prompts)
     staleness = Staleness(cfg.max_off_policy_steps)
     history: list[dict] = []
     waiting: list[Rollout] = []
