@@ -28,6 +28,7 @@ class RoutingTape:
         self.index: dict[int, int] = {}
         self.tokens = 0  # token-layer pairs seen
         self.flips = 0  # of them, those whose experts (as a set) differ from the router's choice
+        self.differs: torch.Tensor | None = None  # replaying: [B, T], any layer differs at the token
 
     def _layer(self, moe) -> int:
         key = id(moe)
@@ -65,7 +66,9 @@ class RoutingTape:
         other = self.pending.pop(i).to(own) if self.replaying and not self.force else own
         differ = (used.sort(-1).values != other.sort(-1).values).any(-1)
         self.flips += int(differ.sum())
-        if not self.replaying:
+        if self.replaying:  # one call per layer over the whole batch (the trainer's pass)
+            self.differs = differ if self.differs is None else self.differs | differ
+        else:
             self.layers[i].append(used.detach().to(torch.uint8))
 
     def routing(self) -> list[torch.Tensor]:

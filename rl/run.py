@@ -332,7 +332,9 @@ def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) ->
     for key in ("mismatch_without_replay/k3", "mismatch_with_replay/k3", "mismatch/routing_differs",
                 "mismatch_without_replay/routing_differs", "mismatch_with_replay/routing_differs",
                 "mismatch_inflight/k3", "mismatch_inflight_without_replay/k3",
-                "mismatch_inflight_with_replay/k3"):
+                "mismatch_inflight_with_replay/k3", "mismatch/rerouted_bases",
+                "mismatch_rerouted/k3", "mismatch_rerouted_without_replay/k3",
+                "mismatch_rerouted_with_replay/k3"):
         if any(key in h for h in result.history):
             summary[key] = result.mean(key)
     files["summary"] = str(write_atomic(out / "summary.json",

@@ -18,18 +18,20 @@ from .rollout import Rollout
 def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature: float,
                       routing: list[torch.Tensor] | None = None, force: bool = True):
     """Log-probs ``[N, L]`` of the sampled bases ``tokens[:, prompt_len:]`` given everything
-    before them (one parallel pass over ``tokens[:, :-1]``), and the share of (token, MoE layer)
-    pairs whose experts differ between ``routing`` and the router (0 without ``routing``)."""
+    before them (one parallel pass over ``tokens[:, :-1]``), the share of (token, MoE layer)
+    pairs whose experts differ between ``routing`` and the router (0 without ``routing``), and
+    ``[N, L]``: the sampled bases predicted from a token whose experts differ in some layer."""
     inputs = tokens[:, :-1]
+    L = tokens.shape[1] - prompt_len
     if routing is None:
         logits = model(inputs).logits
-        flips = 0.0
+        flips, routed = 0.0, torch.zeros(tokens.shape[0], L, dtype=torch.bool)
     else:
         with taped(model, [r[:, : inputs.shape[1]] for r in routing], force) as tape:
             logits = model(inputs).logits
-        flips = tape.flip_rate
+        flips, routed = tape.flip_rate, tape.differs[:, prompt_len - 1 :]
     logp = torch.log_softmax(logits[:, prompt_len - 1 :].float() / temperature, -1)
-    return logp.gather(-1, tokens[:, prompt_len:, None])[..., 0], flips
+    return logp.gather(-1, tokens[:, prompt_len:, None])[..., 0], flips, routed
 
 
 def clean_bases(versions: torch.Tensor, version: int, recompute_state: bool) -> torch.Tensor:
@@ -75,10 +77,10 @@ class Trainer:
         b = merge(groups)
         P, routing = b["prompt_len"], b["routing"]
         replay = cfg.routing_replay and routing is not None
-        logp, flips = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature, routing,
-                                        force=replay)
+        logp, flips, routed = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature,
+                                                routing, force=replay)
         with torch.no_grad():
-            ref, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature)
+            ref, _, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature)
         adv = group_advantages(b["rewards"], cfg.group_size)
         parts = rl_loss(logp, b["behaviour"], adv, ref_logp=ref, mask_ratio=cfg.mask_ratio,
                         log_ratio_weight=cfg.log_ratio_weight, beta=cfg.beta)
@@ -89,14 +91,21 @@ class Trainer:
         inflight = mismatch(logp, b["behaviour"])
         metrics.update({f"mismatch_inflight/{k}": v for k, v in inflight.items()})
         metrics["mismatch/routing_differs"] = flips
+        # where the mismatch comes from: bases after a token the two sides route differently
+        metrics["mismatch/rerouted_bases"] = float(routed[same].double().mean()) if same.any() \
+            else math.nan
+        metrics.update({f"mismatch_rerouted/{k}": v
+                        for k, v in mismatch(logp, b["behaviour"], same & routed).items()})
         if measure_both and routing is not None:
             # the other side of the comparison: the same pass with replay switched the other way
             with torch.no_grad():
-                other, other_flips = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature,
-                                                       routing, force=not replay)
+                other, other_flips, other_routed = sampled_log_probs(
+                    self.policy, b["tokens"], P, cfg.temperature, routing, force=not replay)
             tag = "without_replay" if replay else "with_replay"
             for k, v in mismatch(other, b["behaviour"], same).items():
                 metrics[f"mismatch_{tag}/{k}"] = v
+            for k, v in mismatch(other, b["behaviour"], same & routed).items():
+                metrics[f"mismatch_rerouted_{tag}/{k}"] = v
             for k, v in mismatch(other, b["behaviour"]).items():
                 metrics[f"mismatch_inflight_{tag}/{k}"] = v
             metrics[f"mismatch_{tag}/routing_differs"] = other_flips
