@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megabase.kernels.pointwise import sigmoid
+
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, ShortConv
 from .sequence import ONE_PROCESS
@@ -70,13 +72,14 @@ class KDALayer(nn.Module):
         qkv, tail = self.conv(qkv, tail, self.cfg.kda_backend)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        backend = self.cfg.kda_backend
+        beta = sigmoid(self.b_proj(x).float(), backend)
         f = self.f_proj(x).float().reshape(B, T, H, K) + self.dt_bias.float().reshape(H, K)
-        g = self.cfg.kda_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * f)
+        g = self.cfg.kda_lower_bound * sigmoid(self.A_log.float().exp()[:, None] * f, backend)
         return q, k, v, g, beta, tail
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """KDA op output ``o [B, T, H, K]`` -> ``[B, T, d]`` (gated head norm, output projection)."""
         B, T, _ = x.shape
-        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, self.H, self.K)
+        gate = sigmoid(self.g_proj(x), self.cfg.kda_backend).reshape(B, T, self.H, self.K)
         return self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, self.H * self.K))

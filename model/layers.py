@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megabase.kernels.conv import short_conv
+from megabase.kernels.pointwise import swiglu
 
 
 class RMSNorm(nn.Module):
@@ -104,5 +105,4 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(a) * b)
+        return self.w2(swiglu(self.w13(x)))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from megabase.kernels.pointwise import sigmoid, swiglu
 
 from .config import ModelConfig
 from .layers import ROW_TILE, Linear, SwiGLU
@@ -62,13 +63,11 @@ def _expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torc
     """
     if _grouped(x):
         offs = torch.cumsum(rows, 0).to(torch.int32)
-        a, b = torch._grouped_mm(x, w13, offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(a) * b, w2, offs=offs)
+        return torch._grouped_mm(swiglu(torch._grouped_mm(x, w13, offs=offs)), w2, offs=offs)
     ys, r0 = [], 0
     for e, count in enumerate(rows.tolist()):
         if count:
-            a, b = (x[r0 : r0 + count] @ w13[e]).chunk(2, dim=-1)
-            ys.append((F.silu(a) * b) @ w2[e])
+            ys.append(swiglu(x[r0 : r0 + count] @ w13[e]) @ w2[e])
             r0 += count
     return torch.cat(ys)
 
@@ -105,7 +104,7 @@ class MoE(nn.Module):
         [n, k]). ``forced [n, k]``: experts to use instead of the router's own top k (routing
         replay); the gates are still the router's scores of them, so the router keeps its
         gradient."""
-        scores = torch.sigmoid(self.router(x).float())
+        scores = sigmoid(self.router(x).float())
         own = (scores.detach() + self.bias).topk(self.cfg.experts_per_token, dim=-1).indices
         sel = own if forced is None else forced.long()
         gates = scores.gather(-1, sel)
