@@ -237,7 +237,9 @@ def cmd_rl(args: argparse.Namespace) -> None:
     from megabase.rl import load_rl_config, rl
 
     cfg = load_rl_config(args.config, args.set or [])
-    summary.print_rl(rl(cfg, progress=not args.quiet))
+    result = rl(cfg, progress=not args.quiet)
+    if result is not None:  # None: the generator's rank of a launched job
+        summary.print_rl(result)
 
 
 def _csv(text: str | None) -> list[str]:

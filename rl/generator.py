@@ -1,16 +1,17 @@
 """The generator: decodes groups of samples from prompts through the cached state, takes new
 weights between decoding steps, and tags every base with the policy version that sampled it.
 
-Weights reach it through a :class:`WeightChannel`: the trainer publishes a flat copy of its
-parameters and a version number; the generator polls between steps (one integer read) and, when
-the version moved, copies the weights into its model. Samples in flight keep their cache (what
-prime-rl does: the old keys and states, new weights from here on) or, with ``recompute_state``,
-re-read their prefix under the new weights.
+Weights reach it through a channel with ``take(model, have) -> version or None``: a
+:class:`WeightChannel` in one process (the synchronous loop), or the link to the trainer's rank
+(:class:`megabase.rl.remote.RemoteWeights`). Samples in flight keep their cache (what prime-rl
+does: the old keys and states, new weights from here on) or, with ``recompute_state``, re-read
+their prefix under the new weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy as copying
 import time
 
 import numpy as np
@@ -20,7 +21,8 @@ from megabase.data.vocab import SEP
 
 from .config import RLConfig
 from .replay import restart, taped
-from .rollout import Rollout
+from .reward import build_reward, heldout_check
+from .rollout import Prompts, Rollout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -29,43 +31,28 @@ def flat_parameters(model) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector([p.detach().float() for p in model.parameters()])
 
 
+def load_flat(model, flat: torch.Tensor) -> None:
+    """Copy a flat fp32 parameter vector into ``model`` (any dtype)."""
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat.to(next(model.parameters()).dtype),
+                                            model.parameters())
+
+
 class WeightChannel:
-    """A flat fp32 parameter vector and its version, in shared memory when ``shared`` (for a
-    generator in another process; torch.multiprocessing passes both without copying)."""
+    """The trainer's latest weights and their version, in one process."""
 
-    def __init__(self, model, shared: bool = True):
-        import torch.multiprocessing as mp
-
-        self.flat = flat_parameters(model)
-        self.version = mp.get_context("spawn").Value("q", 0, lock=True) if shared else _Plain()
-        if shared:
-            self.flat.share_memory_()
+    def __init__(self, model):
+        self.flat, self.version = flat_parameters(model), 0
 
     def publish(self, model, version: int) -> None:
-        with self.version.get_lock():
-            self.flat.copy_(flat_parameters(model))
-            self.version.value = version
+        self.flat, self.version = flat_parameters(model), version
 
     def take(self, model, have: int) -> int | None:
-        """Copy newer weights than version ``have`` into ``model`` (any dtype); their version."""
-        if self.version.value == have:
+        """Copy newer weights than version ``have`` into ``model``; their version."""
+        if self.version == have:
             return None
-        with self.version.get_lock():
-            version = int(self.version.value)
-            with torch.no_grad():
-                torch.nn.utils.vector_to_parameters(
-                    self.flat.to(next(model.parameters()).dtype), model.parameters())
-        return version
-
-
-class _Plain:
-    """The version of an in-process channel (same interface as a shared ``Value``)."""
-
-    def __init__(self):
-        self.value = 0
-
-    def get_lock(self):
-        return contextlib.nullcontext()
+        load_flat(model, self.flat)
+        return self.version
 
 
 def generator_model(model, cfg: RLConfig):
@@ -78,7 +65,7 @@ def generator_model(model, cfg: RLConfig):
 
 @torch.no_grad()
 def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
-                 channel: WeightChannel, version: int, gen: torch.Generator,
+                 channel, version: int, gen: torch.Generator,
                  segment: int = 16_384) -> tuple[list[Rollout], int]:
     """``cfg.group_size`` samples of ``cfg.sample_length`` bases after each prompt (all decoded as
     one batch). Returns the groups (rewards not yet filled) and the version the model ends at."""
@@ -106,10 +93,15 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
             logits, _ = advance(model, out[:, s : min(upto, s + segment)], state)
         return state, logits
 
+    # the newest weights before the prompt is read: the prompt's cache then has the version of
+    # the first base, which clean_bases relies on (taken after it, they would tag the first base
+    # with a version its cache never saw)
+    newer = channel.take(model, version)
+    version = version if newer is None else newer
     with taped(model) if record else contextlib.nullcontext() as tape:
         state, logits = prefill(P)
         for i in range(L):
-            newer = channel.take(model, version)
+            newer = channel.take(model, version) if i else None
             if newer is not None:
                 version, updates = newer, updates + 1
                 if cfg.recompute_state:
@@ -135,3 +127,58 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                               torch.zeros(G), updates=updates, seconds=seconds))
     return groups, version
 
+
+
+class Scorer:
+    """Fills a group's rewards, reward parts and held-out figures (generator side)."""
+
+    def __init__(self, cfg: RLConfig):
+        self.reward = build_reward(cfg.reward, cfg.base)
+        self.check = heldout_check(cfg.reward)
+
+    def __call__(self, groups: list[Rollout]) -> None:
+        for g in groups:
+            sample = g.tokens[:, g.prompt_len :].numpy().astype(np.int64)
+            g.rewards = torch.as_tensor(self.reward(sample), dtype=torch.float32)
+            if hasattr(self.reward, "parts"):
+                g.reward_parts = self.reward.parts(sample)
+            if self.check is not None:
+                g.heldout = {"motif_hits": self.check.parts(sample)["motif_hits"]}
+
+
+class SyncGenerator:
+    """Batches decoded in this process: the synchronous baseline (trainer and generator taking
+    turns), and the body of the generator's rank. ``copy``: decode with a copy of ``model`` (the
+    trainer's, in one process); ``channel``: where new weights come from (a
+    :class:`WeightChannel` of the trainer's policy when None); ``scorer`` / ``prompts``: ones
+    already built."""
+
+    def __init__(self, cfg: RLConfig, model, channel=None, copy: bool = True,
+                 scorer: Scorer | None = None, prompts: Prompts | None = None):
+        self.cfg = cfg
+        self.channel = channel if channel is not None else WeightChannel(model)
+        self.model = generator_model(copying.deepcopy(model) if copy else model, cfg)
+        self.version = 0  # the starting checkpoint's weights are version 0 on both sides
+        self.scorer, self.prompts = scorer or Scorer(cfg), prompts or Prompts(cfg)
+        self.rng = np.random.default_rng(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.batch = 0
+
+    def next(self) -> list[Rollout]:
+        cfg = self.cfg
+        picks = [self.prompts.draw(self.rng, self.batch * cfg.prompts_per_step + i)
+                 for i in range(cfg.prompts_per_step)]
+        groups, self.version = sample_batch(self.model, picks, cfg, self.batch, self.channel,
+                                            self.version, self.gen)
+        self.scorer(groups)
+        self.batch += 1
+        return groups
+
+    def publish(self, model, version: int) -> None:
+        self.channel.publish(model, version)
+
+    def counts(self) -> dict[str, float]:
+        return {"in_flight": 0.0, "in_queue": 0.0}
+
+    def close(self) -> None:
+        pass

@@ -1,11 +1,11 @@
 """``megabase rl``: asynchronous RL from a checkpoint of ``megabase run``.
 
-Two processes on torch.multiprocessing (spawn): the generator decodes batches of groups and queues
-them with their rewards; the trainer takes a batch, drops groups past ``max_off_policy_steps``,
-updates, and publishes its weights through shared memory. The generator may run ``async_level``
-batches ahead of the batches the trainer consumed (prime-rl's one step ahead by default), and
-takes new weights between decoding steps. ``asynchronous: false`` runs both in one process, each
-waiting for the other: the baseline the asynchronous run is timed against.
+Two ranks of a torch.distributed group (:mod:`megabase.rl.remote`): the generator decodes batches
+of groups and sends them with their rewards; the trainer takes a batch, drops groups past
+``max_off_policy_steps``, updates, and sends its weights. The generator may run ``async_level``
+batches ahead of the batches the trainer took (prime-rl's one step ahead by default), and takes
+new weights between decoding steps. ``asynchronous: false`` runs both in one process, each waiting
+for the other: the baseline the asynchronous run is timed against.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue as queue_mod
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +24,9 @@ from megabase.data import InputError
 from megabase.data.vocab import SYMBOLS
 
 from .config import RLConfig
-from .generator import WeightChannel, generator_model, sample_batch
-from .reward import build_reward, diversity, heldout_check
+from .generator import Scorer, SyncGenerator
+from .remote import AsyncGenerator, generator_main, threads_for
+from .reward import diversity
 from .rollout import Prompts, Rollout, Staleness
 from .trainer import Trainer
 
@@ -53,136 +52,6 @@ class RLResult:
         return float(np.mean(vals)) if vals else math.nan
 
 
-class Scorer:
-    """Fills a group's rewards, reward parts and held-out figures (generator side)."""
-
-    def __init__(self, cfg: RLConfig):
-        self.reward = build_reward(cfg.reward, cfg.base)
-        self.check = heldout_check(cfg.reward)
-
-    def __call__(self, groups: list[Rollout]) -> None:
-        for g in groups:
-            sample = g.tokens[:, g.prompt_len :].numpy().astype(np.int64)
-            g.rewards = torch.as_tensor(self.reward(sample), dtype=torch.float32)
-            if hasattr(self.reward, "parts"):
-                g.reward_parts = self.reward.parts(sample)
-            if self.check is not None:
-                g.heldout = {"motif_hits": self.check.parts(sample)["motif_hits"]}
-
-
-def _threads(cfg: RLConfig) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cfg.threads is not None:
-        return cfg.threads
-    return max(1, (cores or 1) // (2 if cfg.asynchronous else 1))
-
-
-def generator_worker(cfg: RLConfig, checkpoint: str, channel: WeightChannel, queue, consumed,
-                     inflight, stop) -> None:
-    """The generator process: batch after batch until ``stop``, each queued with its rewards."""
-    try:
-        from megabase.infer.common import load_model
-
-        torch.set_num_threads(_threads(cfg))
-        source = SyncGenerator(cfg, load_model(checkpoint), channel, copy=False)
-        while not stop.is_set():
-            while consumed.value < source.batch - cfg.async_level:
-                if stop.is_set():
-                    return
-                time.sleep(0.002)
-            inflight.value = 1
-            groups = source.next()
-            inflight.value = 0
-            queue.put(groups)
-    except BaseException as exc:  # the trainer reports it
-        line = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
-        queue.put(("error", line, isinstance(exc, InputError), traceback.format_exc()))
-
-
-class AsyncGenerator:
-    """The generator in its own process; :meth:`next` returns the next queued batch."""
-
-    def __init__(self, cfg: RLConfig, checkpoint: str, channel: WeightChannel):
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.queue = ctx.Queue()
-        self.consumed, self.inflight = ctx.Value("q", 0), ctx.Value("q", 0)
-        self.stop = ctx.Event()
-        self.proc = ctx.Process(target=generator_worker, daemon=True,
-                                args=(cfg, checkpoint, channel, self.queue, self.consumed,
-                                      self.inflight, self.stop))
-        self.proc.start()
-
-    def next(self) -> list[Rollout]:
-        while True:
-            try:
-                item = self.queue.get(timeout=1.0)
-                break
-            except queue_mod.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError("the generator process died without a word") from None
-        if isinstance(item, tuple) and item and item[0] == "error":
-            _, line, is_input, trace = item
-            if is_input:
-                raise InputError(line)
-            raise RuntimeError(f"the generator failed: {line}\n{trace}")
-        self.consumed.value += 1
-        return item
-
-    def counts(self) -> dict[str, float]:
-        return {"in_flight": float(self.inflight.value),
-                "in_queue": float(max(self.queue.qsize(), 0)) if hasattr(self.queue, "qsize") else math.nan}
-
-    def close(self) -> None:
-        self.stop.set()
-        self.consumed.value += 10**9  # release a generator waiting for the trainer
-        deadline = time.monotonic() + 60
-        while self.proc.is_alive() and time.monotonic() < deadline:
-            try:  # a batch it is still putting must be read for it to exit
-                while True:
-                    self.queue.get_nowait()
-            except (queue_mod.Empty, OSError, ValueError):
-                pass
-            self.proc.join(timeout=0.5)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-class SyncGenerator:
-    """Batches decoded in this process: the synchronous baseline (trainer and generator taking
-    turns), and the body of the asynchronous generator's process. ``copy``: decode with a copy
-    of ``model`` (the trainer's, in one process); ``scorer`` / ``prompts``: ones already built."""
-
-    def __init__(self, cfg: RLConfig, model, channel: WeightChannel, copy: bool = True,
-                 scorer: Scorer | None = None, prompts: Prompts | None = None):
-        import copy as copying
-
-        self.cfg, self.channel = cfg, channel
-        self.model = generator_model(copying.deepcopy(model) if copy else model, cfg)
-        self.version = channel.take(self.model, -1)
-        self.scorer, self.prompts = scorer or Scorer(cfg), prompts or Prompts(cfg)
-        self.rng = np.random.default_rng(cfg.seed)
-        self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.batch = 0
-
-    def next(self) -> list[Rollout]:
-        cfg = self.cfg
-        picks = [self.prompts.draw(self.rng, self.batch * cfg.prompts_per_step + i)
-                 for i in range(cfg.prompts_per_step)]
-        groups, self.version = sample_batch(self.model, picks, cfg, self.batch, self.channel,
-                                            self.version, self.gen)
-        self.scorer(groups)
-        self.batch += 1
-        return groups
-
-    def counts(self) -> dict[str, float]:
-        return {"in_flight": 0.0, "in_queue": 0.0}
-
-    def close(self) -> None:
-        pass
-
-
 def batch_metrics(groups: list[Rollout]) -> dict[str, float]:
     """What the samples look like: held-out check, reward parts, diversity, GC."""
     sample = torch.cat([g.tokens[:, g.prompt_len :] for g in groups]).numpy()
@@ -198,8 +67,10 @@ def batch_metrics(groups: list[Rollout]) -> dict[str, float]:
     return out
 
 
-def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
-    """Run the RL job ``cfg``; writes its folder ``cfg.out`` and an MLflow run."""
+def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
+    """Run the RL job ``cfg``; writes its folder ``cfg.out`` and an MLflow run. Started by a
+    launcher on two ranks (``torchrun --nnodes 2 --nproc-per-node 1``), rank 0 trains and
+    returns the result, rank 1 generates and returns None."""
     from tqdm.auto import tqdm
 
     from megabase.eval.tracking import open_run
@@ -208,8 +79,15 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
     from megabase.pipeline.checkpointing import resolve_checkpoint
 
     started = time.perf_counter()
-    out = check_output_dir(cfg.path(cfg.out))
+    launched = "WORLD_SIZE" in os.environ  # torchrun and the like: this process is one rank
+    if launched and not cfg.asynchronous:
+        raise InputError("asynchronous: false runs trainer and generator in one process; start "
+                         "it without torchrun")
     checkpoint = str(resolve_checkpoint(cfg.path(cfg.checkpoint)))
+    if launched and int(os.environ.get("RANK", "0")) == 1:
+        generator_main(cfg, checkpoint)
+        return None
+    out = check_output_dir(cfg.path(cfg.out))
     model = load_model(checkpoint)
     prompts = Prompts(cfg)  # bad prompts: refused here, before a process starts
     probe = Scorer(cfg)
@@ -217,16 +95,14 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
                    torch.zeros(2, cfg.sample_length), torch.zeros(2, cfg.sample_length,
                                                              dtype=torch.int32), None,
                    torch.zeros(2))])  # bad reward code: refused here too
-    torch.set_num_threads(_threads(cfg))
+    torch.set_num_threads(threads_for(cfg))
     torch.manual_seed(cfg.seed)
     trainer = Trainer(model, cfg)
-    channel = WeightChannel(trainer.policy, shared=cfg.asynchronous)
     uri = cfg.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"
     target = open_run(uri, experiment=cfg.experiment, run_name=cfg.name, kind="rl")
     client = _mlflow(target)
     client.log_batch(target["run_id"], params=_params(cfg, checkpoint))
-    source = AsyncGenerator(cfg, checkpoint, channel) if cfg.asynchronous else \
-        SyncGenerator(cfg, trainer.policy, channel, scorer=probe, prompts=prompts)
+    source = None
     staleness = Staleness(cfg.max_off_policy_steps)
     history: list[dict] = []
     waiting: list[Rollout] = []
@@ -234,6 +110,8 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
     deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
     last_groups: list[Rollout] = []
     try:
+        source = AsyncGenerator(cfg, checkpoint) if cfg.asynchronous else \
+            SyncGenerator(cfg, trainer.policy, scorer=probe, prompts=prompts)
         with tqdm(total=cfg.steps, unit="step", desc="rl", disable=not progress) as bar:
             for step in range(cfg.steps):
                 if deadline is not None and time.perf_counter() > deadline:
@@ -246,7 +124,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
                 groups, waiting = waiting[: cfg.prompts_per_step], waiting[cfg.prompts_per_step :]
                 waited = time.perf_counter() - t0
                 metrics = trainer.step(groups, cfg.measure_both)
-                channel.publish(trainer.policy, trainer.version)
+                source.publish(trainer.policy, trainer.version)
                 metrics.update(batch_metrics(groups))
                 metrics.update({f"generator/{k}": v for k, v in source.counts().items()})
                 metrics.update({"trainer/wait_seconds": waited,
@@ -262,8 +140,13 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult:
                         reached = metrics["seconds"]
                 bar.set_postfix(reward=f"{metrics['reward']:.2f}", kl=f"{metrics['kl_start']:.4f}")
                 bar.update(1)
+    except BaseException as exc:
+        client.set_terminated(target["run_id"], "KILLED" if isinstance(exc, KeyboardInterrupt)
+                              else "FAILED")
+        raise
     finally:
-        source.close()
+        if source is not None:
+            source.close()
     seconds = time.perf_counter() - started
     ckpt = save_checkpoint(trainer.policy, out / "checkpoint",
                            extra={"rl": cfg.to_dict() | {"base": None}, "started_from": checkpoint,

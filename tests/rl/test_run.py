@@ -4,34 +4,8 @@ synchronous and asynchronous loops, their files and MLflow run; bad input refuse
 import json
 
 import pytest
-import yaml
 
 from megabase.pipeline.cli import main
-
-
-@pytest.fixture(scope="module")
-def config(tmp_path_factory, checkpoint, bundled_store):
-    root = tmp_path_factory.mktemp("rl")
-
-    def write(name="rl.yaml", **over):
-        cfg = {"checkpoint": str(checkpoint), "out": str(root / "out"),
-               "prompt": {"data": str(bundled_store.path), "regions": ["chr01:1-200,000"],
-                          "length": 64},
-               "steps": 3, "group_size": 3, "prompts_per_step": 2, "sample_length": 24,
-               "reward": {"threshold": 0.7}, "tracking_uri": f"sqlite:///{root / 'mlflow.db'}"}
-        if "out" in over:
-            over["out"] = str(root / over["out"])
-        for key, value in over.items():
-            node = cfg
-            *path, last = key.split(".")
-            for part in path:
-                node = node.setdefault(part, {})
-            node[last] = value
-        path = root / name
-        path.write_text(yaml.safe_dump(cfg))
-        return path
-
-    return write
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

@@ -1,0 +1,189 @@
+"""The asynchronous generator: rank 1 of the trainer's process group (:mod:`megabase.rl.transport`).
+
+Rank 1 runs :func:`generator_main`: batch after batch of the same :class:`SyncGenerator` the
+synchronous loop uses, each announced (``STARTED``) and sent with its rewards (``BATCH``), never
+more than ``async_level`` batches ahead of those the trainer took (``CONSUMED``); between decoding
+steps it takes the newest ``WEIGHTS`` the trainer sent. Rank 0 holds an :class:`AsyncGenerator`,
+the trainer's view of it: the next batch, the weights to publish, the counts in flight and in
+queue, and the shutdown (``STOP``, then every message up to the generator's ``BYE``).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+from megabase.data import InputError
+from megabase.pipeline.errors import TrainingError
+
+from . import transport
+from .config import RLConfig
+from .generator import SyncGenerator, flat_parameters, load_flat
+from .rollout import Rollout
+from .transport import BATCH, BYE, CONSUMED, ERROR, GONE, STARTED, STOP, WEIGHTS, Link
+
+
+class Stopped(Exception):
+    """The trainer said stop (or went away): the generator leaves its batch where it is."""
+
+
+class RemoteWeights:
+    """The generator's side of the link: the trainer's newest weights and its count of batches
+    taken, read from the link's inbox without waiting (:meth:`take`) or waiting (:meth:`wait`)."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.latest: tuple[int, torch.Tensor] | None = None
+        self.consumed = 0
+
+    def _handle(self, item) -> None:
+        kind, a, b, payload = item
+        if kind in (STOP, GONE):
+            raise Stopped
+        if kind == WEIGHTS:
+            self.latest, self.consumed = (a, payload), max(self.consumed, b)
+        elif kind == CONSUMED:
+            self.consumed = max(self.consumed, a)
+
+    def _drain(self) -> None:
+        while not self.link.inbox.empty():
+            self._handle(self.link.inbox.get_nowait())
+
+    def take(self, model, have: int) -> int | None:
+        self._drain()
+        if self.latest is None or self.latest[0] == have:
+            return None
+        version, flat = self.latest
+        load_flat(model, flat)
+        return version
+
+    def wait(self, consumed: int) -> None:
+        """Until the trainer has taken ``consumed`` batches."""
+        self._drain()
+        while self.consumed < consumed:
+            self._handle(self.link.get())
+
+
+def threads_for(cfg: RLConfig) -> int:
+    """Torch threads per process: ``cfg.threads``, else the cores split between the processes
+    sharing this machine (two when asynchronous and started here)."""
+    if cfg.threads is not None:
+        return cfg.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    shared = 2 if cfg.asynchronous and "WORLD_SIZE" not in os.environ else 1
+    return max(1, (cores or 1) // shared)
+
+
+def generator_main(cfg: RLConfig, checkpoint: str, address: str | None = None) -> None:
+    """Rank 1: generate until the trainer says stop; a failure goes to the trainer as one
+    message (it reports it), then ``BYE``."""
+    from megabase.infer.common import load_model
+
+    transport.connect(1, address)
+    link = Link(peer=0)
+    try:
+        torch.set_num_threads(threads_for(cfg))
+        weights = RemoteWeights(link)
+        source = SyncGenerator(cfg, load_model(checkpoint), weights, copy=False)
+        while True:
+            weights.wait(source.batch - cfg.async_level)
+            link.send(STARTED, source.batch)
+            groups = source.next()
+            link.send_object(BATCH, groups, source.batch - 1)
+    except Stopped:
+        pass
+    except BaseException as exc:
+        line = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+        link.send_object(ERROR, (line, isinstance(exc, InputError), traceback.format_exc()))
+        if not isinstance(exc, Exception):
+            raise
+    finally:
+        link.send(BYE)
+        link.settle()
+        link.join(timeout=60)
+        transport.disconnect()
+
+
+def _spawned(cfg: RLConfig, checkpoint: str, address: str) -> None:
+    generator_main(cfg, checkpoint, address)
+
+
+class AsyncGenerator:
+    """The trainer's side. Without a launcher (no ``WORLD_SIZE``) it starts rank 1 in a
+    process of its own; under one, rank 1 is the launcher's other process."""
+
+    def __init__(self, cfg: RLConfig, checkpoint: str):
+        self.proc = None
+        address = None
+        if "WORLD_SIZE" not in os.environ:
+            import torch.multiprocessing as mp
+
+            address = f"tcp://127.0.0.1:{transport.free_port()}"
+            self.proc = mp.get_context("spawn").Process(
+                target=_spawned, args=(cfg, checkpoint, address), daemon=True)
+            self.proc.start()
+        transport.connect(0, address)
+        self.link = Link(peer=1)
+        self.started = self.received = self.consumed = 0
+        self.ended = False
+        self.waiting: list[list[Rollout]] = []
+
+    def _alive(self) -> bool:
+        return self.proc is None or self.proc.is_alive()
+
+    def _handle(self, item) -> None:
+        kind, a, _, payload = item
+        if kind == STARTED:
+            self.started = max(self.started, a + 1)
+        elif kind == BATCH:
+            self.received += 1
+            self.waiting.append(payload)
+        elif kind == ERROR:
+            line, is_input, trace = payload
+            self.ended = True
+            if is_input:
+                raise InputError(line)
+            raise RuntimeError(f"the generator failed: {line}\n{trace}")
+        elif kind in (BYE, GONE):
+            self.ended = True
+            why = payload if kind == GONE else "it said goodbye"
+            raise TrainingError(f"the generator's rank stopped before the trainer ({why}) after "
+                                f"{self.received} batches; no checkpoint was written")
+
+    def next(self) -> list[Rollout]:
+        while not self.waiting:
+            self._handle(self.link.get(self._alive))
+        self.consumed += 1
+        self.link.send(CONSUMED, self.consumed)
+        return self.waiting.pop(0)
+
+    def publish(self, model, version: int) -> None:
+        self.link.send(WEIGHTS, version, self.consumed, flat_parameters(model))
+
+    def counts(self) -> dict[str, float]:
+        while not self.link.inbox.empty():
+            self._handle(self.link.inbox.get_nowait())
+        return {"in_flight": float(self.started - self.received), "in_queue": float(len(self.waiting))}
+
+    def close(self) -> None:
+        """``STOP``, then read up to the generator's ``BYE`` (its last sends must be received
+        for it to exit), and leave the group."""
+        try:
+            if not self.ended:
+                self.link.send(STOP)
+                while True:
+                    item = self.link.get(self._alive, timeout=120)
+                    if item is None or item[0] in (BYE, GONE):
+                        break
+            self.link.settle()
+        except RuntimeError:  # gloo: the generator's connection is already closed
+            pass
+        finally:
+            self.link.join(timeout=5)
+            if self.proc is not None:
+                self.proc.join(timeout=30)
+                if self.proc.is_alive():
+                    self.proc.kill()
+            transport.disconnect()
