@@ -106,9 +106,8 @@ def kmer_spectrum(tokens: np.ndarray, k: int = 6) -> np.ndarray:
 
 
 def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -> dict:
-    from megabase.infer.common import one_thread
     from megabase.model import advance
-    from megabase.model.layers import untiled
+    from megabase.model.layers import one_thread, untiled
 
     model, prompt = model_of(preset), bases(prompt_length)
     seq = torch.from_numpy(np.concatenate([[SEP], prompt]).astype(np.int64))[None]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,20 +78,6 @@ def check_output_dir(out: Path) -> Path:
     if not os.access(parent, os.W_OK):
         raise InputError("is not writable; choose another {out}", parent, options=("out",))
     return out
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch ops (and the C kernels, which take torch's thread count) on one thread: a step
-    of a few tokens is hundreds of tiny ops, which threads only slow down (20x on 2 busy cores)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def peak_rss_bytes() -> int:

@@ -13,7 +13,7 @@ import torch
 from megabase.data import InputError, TokenStore
 from megabase.data.vocab import N_BASES, SEP, SYMBOLS
 
-from .common import (DEFAULT_SEGMENT, check_output_dir, load_model, one_thread, peak_rss_bytes,
+from .common import (DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions)
 
 
@@ -68,7 +68,7 @@ def generate_tokens(model, prompt: np.ndarray, length: int, temperature: float =
     ``torch.Generator`` seeded by ``seed``, and fed back as one step. ``progress``: called with 1
     after each base."""
     from megabase.model import advance
-    from megabase.model.layers import untiled
+    from megabase.model.layers import one_thread, untiled
 
     _check_sampling(length, temperature, top_k)
     seq = torch.from_numpy(np.concatenate([[SEP], prompt]).astype(np.int64))[None]

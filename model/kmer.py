@@ -21,7 +21,9 @@ class KmerEmbedding(nn.Module):
         super().__init__()
         self.n = n
         sizes = [N_BASES**k + 1 for k in range(2, n + 1)]
-        self.register_buffer("offsets", torch.tensor([0, *sizes[:-1]]).cumsum(0), persistent=False)
+        # first row of each k's table (plain ints, not a buffer: nothing to move or to initialise
+        # when a loader builds the module on the meta device, as transformers does)
+        self.offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         self.table = nn.Parameter(torch.zeros(sum(sizes), d))
 
     def tail(self, ids: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:

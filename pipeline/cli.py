@@ -211,6 +211,12 @@ def cmd_variants(args: argparse.Namespace) -> None:
     summary.print_variants(result)
 
 
+def cmd_export_model(args: argparse.Namespace) -> None:
+    from megabase.infer.hf import export_model
+
+    summary.print_export_model(export_model(args.checkpoint, args.out, report=args.report))
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .config import load_config
     from .train import train
@@ -354,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     _segment_flag(p, "bases per streamed piece: bounds the memory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("export-model", help="checkpoint -> Hugging Face model folder "
+                       "(transformers Auto* classes with trust_remote_code, tokenizer, model card)")
+    _checkpoint_flag(p)
+    p.add_argument("--out", required=True, help="the model folder: absent, empty or an earlier export")
+    p.add_argument("--report", help="evaluation report.json the model card quotes (default: the "
+                   "run's own report of this checkpoint, if any)")
+    p.set_defaults(func=cmd_export_model)
 
     p = sub.add_parser("variants", help="checkpoint + VCF -> zero-shot variant effects (TSV, VCF)")
     _checkpoint_flag(p)

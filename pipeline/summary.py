@@ -181,6 +181,17 @@ def print_embed(result) -> None:
                   f"peak memory {result.peak_rss / 2**30:.2f} GiB")
 
 
+def print_export_model(result) -> None:
+    """Where the folder is, what it holds, and how to load it."""
+    console = Console()
+    console.print(f"exported {result.checkpoint} ({result.parameters['total']:,} parameters) to "
+                  f"{result.out} in {result.seconds:.1f} s")
+    console.print(f"  model card quotes: {result.report or 'no evaluation report (none found)'}")
+    console.print(f"  files: {', '.join(result.files)}")
+    console.print(f"  load: AutoModelForCausalLM.from_pretrained({str(result.out)!r}, "
+                  "trust_remote_code=True)")
+
+
 def print_variants(result) -> None:
     """How many alleles, the spread of their scores, files, time and peak memory."""
     console = Console()

@@ -69,9 +69,8 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                  segment: int = 16_384) -> tuple[list[Rollout], int]:
     """``cfg.group_size`` samples of ``cfg.sample_length`` bases after each prompt (all decoded as
     one batch). Returns the groups (rewards not yet filled) and the version the model ends at."""
-    from megabase.infer.common import one_thread
     from megabase.model import advance
-    from megabase.model.layers import untiled
+    from megabase.model.layers import one_thread, untiled
 
     started = time.perf_counter()
     G, L = cfg.group_size, cfg.sample_length

@@ -1,0 +1,132 @@
+"""The model card (``README.md``) of an exported model, written from the checkpoint and its
+evaluation report: what it was trained on, its size, what it scores on held-out DNA beside the
+best Markov chain, what context gives it, the recall probe, how to use it and where it stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _preset_of(cfg) -> str:
+    from megabase.model.presets import PRESETS, get_preset
+
+    mine = cfg.model_dict()
+    for name in PRESETS:
+        if get_preset(name).model_dict() == mine:
+            return f"`{name}`"
+    return "custom (no preset has exactly these fields; see `megabase` in config.json)"
+
+
+def _bits(entry: dict | None) -> str:
+    if not entry or entry.get("bits_per_base") is None:
+        return "-"
+    lo, hi = (entry.get("bits_per_base_ci") or [None, None])[:2]
+    ci = f" ({lo:.4f}-{hi:.4f})" if lo is not None and hi is not None else ""
+    return f"{entry['bits_per_base']:.4f}{ci}"
+
+
+def _evaluation(report: dict, path: Path) -> list[str]:
+    o = report["overall"]
+    lines = ["## Held-out evaluation", "",
+             f"From `{path}` ({report.get('n_windows', '?')} windows, {o.get('n_tokens', 0):,} scored "
+             "bases; bits/base with a 95% bootstrap CI over windows).", "",
+             "| | bits/base | unique | repeat |", "|---|---|---|---|",
+             f"| this model | {_bits(o)} | {_bits(o.get('unique'))} | {_bits(o.get('repeat'))} |"]
+    for name, b in sorted(report.get("baselines", {}).items(),
+                          key=lambda kv: kv[1]["overall"]["bits_per_base"] or 9)[:3]:
+        bo = b["overall"]
+        lines.append(f"| {name} | {_bits(bo)} | {_bits(bo.get('unique'))} | {_bits(bo.get('repeat'))} |")
+    ref = report.get("copy_reference")
+    if ref:
+        lines.append(f"| copy model + Markov mix | {_bits(ref['overall'])} | "
+                     f"{_bits(ref['overall'].get('unique'))} | {_bits(ref['overall'].get('repeat'))} |")
+    best = report.get("best_baseline")
+    if best:
+        delta = o["bits_per_base"] - best["bits_per_base"]
+        lines += ["", f"Against the best Markov chain ({best['name']}): {delta:+.4f} bits/base."]
+    for limit, rows in report.get("context_gain", {}).items():
+        gains = [r for r in rows if r["all"]["gain_bits_per_base"] is not None]
+        if gains:
+            lines += ["", f"What context beyond ~{int(limit):,} bases gives (the same bases scored "
+                      f"with context cut to {int(limit):,}; positive: the model uses it; paired CI):", "",
+                      "| prior context | gain, bits/base | CI |", "|---|---|---|"]
+            for r in gains:
+                lo, hi = r["all"]["ci"]
+                ci = f"{lo:+.4f} to {hi:+.4f}" if lo is not None else "-"
+                lines.append(f"| {r['context_lo']:,}-{r['context_hi']:,} | "
+                             f"{r['all']['gain_bits_per_base']:+.4f} | {ci} |")
+    probe = report.get("probe")
+    if probe:
+        lines += ["", "Recall probe (a held-out stretch copied later into the same window: does the "
+                  "model predict the second copy better?):", "",
+                  "| distance | first copy | second copy | DSA holds the aligned key |", "|---|---|---|---|"]
+        for p in probe:
+            rate = p.get("dsa_hit_rate")
+            lines.append(f"| {p['distance']:,} | {p['first_copy_bits_per_base']:.3f} | "
+                         f"{p['second_copy_bits_per_base']:.3f} | "
+                         f"{'-' if rate is None else f'{rate:.0%}'} |")
+    return lines
+
+
+def model_card(cfg, counts: dict, meta: dict, checkpoint: Path, report: dict | None,
+               report_path: Path | None) -> str:
+    regions = meta.get("regions") or {}
+    data = meta.get("data") or {}
+    kinds = cfg.layer_kinds
+    lines = [
+        "---", "library_name: transformers", "tags: [dna, genomics, megabase, causal-lm]",
+        "pipeline_tag: text-generation", "---", "",
+        f"# megabase model: {meta.get('run', checkpoint.name)}", "",
+        "A DNA language model trained with megabase (one token per base, "
+        "hybrid Kimi Delta Attention / DeepSeek Sparse Attention layers with Mixture-of-Experts "
+        "FFNs), exported for `transformers`.", "",
+        "## Training", "",
+        f"- checkpoint: `{checkpoint}` (step {meta.get('step', '?')})",
+        f"- training regions: {', '.join(regions.get('train', [])) or 'not recorded'}",
+        f"- held-out regions: {', '.join(regions.get('eval', [])) or 'not recorded'}",
+        f"- token store: `{data.get('store', 'not recorded')}`",
+        f"- window length: {meta.get('window_length', 'not recorded')}",
+        f"- preset: {_preset_of(cfg)}; {cfg.n_layers} layers ({kinds}: K = KDA, D = DSA, "
+        f"A = attention), width {cfg.d_model}, {cfg.n_experts} experts ({cfg.experts_per_token} "
+        "active) + a shared one",
+        f"- parameters: {counts['total']:,} total, {counts['active']:,} active per base", "",
+    ]
+    if report is not None:
+        lines += _evaluation(report, report_path) + [""]
+    else:
+        lines += ["## Held-out evaluation", "",
+                  "No evaluation report was found for this checkpoint (run `megabase evaluate` and "
+                  "export again with `--report`): nothing here says how well it predicts DNA.", ""]
+    lines += [
+        "## Use", "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "tok = AutoTokenizer.from_pretrained(PATH, trust_remote_code=True)",
+        "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True).eval()",
+        'ids = tok("ACGTNNacgt", return_tensors="pt").input_ids      # <sep> A C G T N N A C G T',
+        "logp = model(ids).logits.log_softmax(-1)                       # next-base log-probs",
+        "torch.manual_seed(0); out = model.generate(ids, max_new_tokens=100, do_sample=True, top_k=0)",
+        "```", "",
+        "- Tokens: `A C G T N <pad> <sep>` = 0..6; any case and every IUPAC code are accepted "
+        "(ambiguity codes and gaps become `N`); a sequence starts with `<sep>`. Logits are over the "
+        "four bases (`[B, T, 4]`, indices = the token ids of A/C/G/T).",
+        "- `AutoModelForSequenceClassification` adds a linear head on the mean of the final hidden "
+        "states over a sequence's bases; pad on the right.",
+        "- `hidden_states[i]` (with `output_hidden_states=True`) is the residual stream after "
+        "block i, as `megabase embed --layer i` gives it.",
+        "- The model code travels in this folder (`megabase_sources.py`): no megabase install is "
+        "needed. On a CPU with a C compiler its C kernels build on first use; without one the "
+        "PyTorch forms run.", "",
+        "## Intended use and limits", "",
+        "- For research on DNA sequence modelling: per-base likelihoods, zero-shot variant "
+        "effects, embeddings, sampling, fine-tuning on sequence tasks.",
+        "- It knows only the sequence it was trained on (the regions above); it is not a model of "
+        "other species, of RNA or protein, or of function, and generated sequence is not a "
+        "design that was tested anywhere.",
+        "- Likelihoods here are of this model's training distribution: repeats are predicted far "
+        "better than unique sequence, and a region like the training data scores better than one "
+        "that is not.",
+        "- Long contexts cost memory linear in the length on the streaming path (`generate`); a "
+        "single forward over a megabase window needs the memory megabase documents for it.", "",
+    ]
+    return "\n".join(lines)
