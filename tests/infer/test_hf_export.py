@@ -7,6 +7,7 @@ folder would shadow the ``kernels`` package transformers imports when the reposi
 working directory, and megabase is blocked there as on a machine without it.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import pytest
 from megabase.data import SEP, tokenize
 from megabase.pipeline.cli import main
 
-pytest.importorskip("transformers")
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is not installed", allow_module_level=True)
 
 LOAD = r'''
 import json, sys
