@@ -124,7 +124,10 @@ class AsyncGenerator:
             self.proc = mp.get_context("spawn").Process(
                 target=_spawned, args=(cfg, checkpoint, address), daemon=True)
             self.proc.start()
-        transport.connect(0, address)
+        try:
+            transport.connect(0, address, self._alive)
+        except transport.PeerGone as exc:
+            raise TrainingError(f"{exc} (exit code {self.proc.exitcode}); nothing was trained") from None
         self.link = Link(peer=1)
         self.started = self.received = self.consumed = 0
         self.ended = False

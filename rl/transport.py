@@ -26,10 +26,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
 WEIGHTS, CONSUMED, STOP, STARTED, BATCH, ERROR, BYE, GONE = range(8)
+
+
+class PeerGone(RuntimeError):
+    """The other rank went away before it joined."""
 _HEADER, _PAYLOAD = 1, 2
 
 
@@ -39,16 +44,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def connect(rank: int, address: str | None = None) -> None:
+# a rank may wait long for the other (a long batch, a slow step): failures reach it as a closed
+# connection, not as a timeout
+TIMEOUT = timedelta(hours=24)
+
+
+def connect(rank: int, address: str | None = None, alive: Callable[[], bool] | None = None) -> None:
     """Join the two-rank gloo group: at ``address`` (``tcp://host:port``), or from the
-    launcher's environment when ``address`` is None."""
+    launcher's environment when ``address`` is None. ``alive``: checked every second while
+    waiting for the other rank (a generator process that died before joining ends the wait)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if address is None:
-            dist.init_process_group("gloo")
-        else:
-            dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
+        kwargs = {"timeout": TIMEOUT} if address is None else \
+            {"init_method": address, "rank": rank, "world_size": 2, "timeout": TIMEOUT}
+        errors: list[BaseException] = []
+
+        def join():
+            try:
+                dist.init_process_group("gloo", **kwargs)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=join, daemon=True, name="megabase-rl-connect")
+        thread.start()
+        while thread.is_alive():
+            thread.join(1.0)
+            if thread.is_alive() and alive is not None and not alive():
+                raise PeerGone("the generator's process ended before it joined the trainer")
+        if errors:
+            raise errors[0]
     if dist.get_world_size() != 2:
         raise RuntimeError(f"megabase rl runs on two ranks (trainer, generator), not "
                            f"{dist.get_world_size()}")
