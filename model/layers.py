@@ -65,10 +65,15 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def is_untiled() -> bool:
+    """Whether this thread runs inside :func:`untiled` (incremental decoding)."""
+    return getattr(_untiled, "on", False)
+
+
 def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows (on the
     rows as given inside :func:`untiled`)."""
-    if getattr(_untiled, "on", False):
+    if is_untiled():
         return torch.matmul(x, weight.t().to(x.dtype))
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]

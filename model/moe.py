@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from megabase.kernels.pointwise import sigmoid, swiglu
 
 from .config import ModelConfig
-from .layers import ROW_TILE, Linear, SwiGLU
+from .layers import ROW_TILE, Linear, SwiGLU, is_untiled
 from .sequence import ONE_PROCESS
 
 EXPERT_TILE = 64  # an expert sees ~ROW_TILE * k / E rows of a group: small tiles waste less padding
@@ -156,6 +156,15 @@ class MoE(nn.Module):
         stats = torch.zeros(E, 1 + N_MARGIN_BINS, device=x.device)
         forced = None if self.tape is None else self.tape.take(self, B, T)
         used, owns = [], []
+        if is_untiled() and not torch.is_grad_enabled() and B * T <= chunk:
+            # a decoding step: the batch's few new tokens as one chunk, not one per sequence
+            # (untiled numbers move by round-off anyway; 16 sequences of cpu-small: 4x faster)
+            y, stats, _, sel, own = self._chunk(
+                x.reshape(B * T, d), None if forced is None else forced.reshape(B * T, -1))
+            if self.tape is not None:
+                k = self.cfg.experts_per_token
+                self.tape.put(self, sel.reshape(B, T, k), own.reshape(B, T, k))
+            return y.reshape(B, T, d), aux, stats.detach()
         for b in range(B):
             seq_stats = torch.zeros_like(stats)
             seq_share = torch.zeros(E, device=x.device)

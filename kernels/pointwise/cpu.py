@@ -22,13 +22,36 @@ from megabase.kernels import native
 _F, _I = ctypes.c_void_p, ctypes.c_int64
 
 
+_SOURCE = str(Path(__file__).with_name("pointwise.c"))
+_SIGNATURES = {
+    "megabase_sigmoid_forward": [_F, _F, _I, ctypes.c_int],
+    "megabase_sigmoid_backward": [_F, _F, _F, _I, ctypes.c_int],
+    "megabase_swiglu_forward": [_F, _F, _I, _I, ctypes.c_int],
+    "megabase_swiglu_backward": [_F, _F, _F, _I, _I, ctypes.c_int],
+}
+_bound: list = []  # the library once bound: a decoding step makes hundreds of these calls
+
+
 def _lib():
-    return native.bind(str(Path(__file__).with_name("pointwise.c")), {
-        "megabase_sigmoid_forward": [_F, _F, _I, ctypes.c_int],
-        "megabase_sigmoid_backward": [_F, _F, _F, _I, ctypes.c_int],
-        "megabase_swiglu_forward": [_F, _F, _I, _I, ctypes.c_int],
-        "megabase_swiglu_backward": [_F, _F, _F, _I, _I, ctypes.c_int],
-    }, extra=("-ffp-contract=off",))
+    if not native.enabled():
+        return None
+    if not _bound:
+        _bound.append(native.bind(_SOURCE, _SIGNATURES, extra=("-ffp-contract=off",)))
+    return _bound[0]
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    _lib().megabase_sigmoid_forward(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+    return y
+
+
+def _swiglu(ab: torch.Tensor) -> torch.Tensor:
+    h = ab.shape[-1] // 2
+    out = ab.new_empty(*ab.shape[:-1], h)
+    rows = ab.numel() // (2 * h) if h else 0
+    _lib().megabase_swiglu_forward(ab.data_ptr(), out.data_ptr(), rows, h, torch.get_num_threads())
+    return out
 
 
 def available() -> bool:
@@ -39,8 +62,7 @@ def available() -> bool:
 class _Sigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        y = torch.empty_like(x)
-        _lib().megabase_sigmoid_forward(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+        y = _sigmoid(x)
         ctx.save_for_backward(y)
         return y
 
@@ -57,12 +79,8 @@ class _Sigmoid(torch.autograd.Function):
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ab):
-        h = ab.shape[-1] // 2
-        out = ab.new_empty(*ab.shape[:-1], h)
-        rows = ab.numel() // (2 * h) if h else 0
-        _lib().megabase_swiglu_forward(ab.data_ptr(), out.data_ptr(), rows, h, torch.get_num_threads())
         ctx.save_for_backward(ab)
-        return out
+        return _swiglu(ab)
 
     @staticmethod
     def backward(ctx, dout):
@@ -76,11 +94,17 @@ class _SwiGLU(torch.autograd.Function):
         return dab
 
 
+def _tracked(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """:func:`megabase.kernels.pointwise.reference.sigmoid` in C: an fp32 CPU tensor."""
-    return _Sigmoid.apply(x.contiguous())
+    x = x.contiguous()
+    return _Sigmoid.apply(x) if _tracked(x) else _sigmoid(x)
 
 
 def swiglu(ab: torch.Tensor) -> torch.Tensor:
     """:func:`megabase.kernels.pointwise.reference.swiglu` in C: an fp32 CPU tensor, even last dim."""
-    return _SwiGLU.apply(ab.contiguous())
+    ab = ab.contiguous()
+    return _SwiGLU.apply(ab) if _tracked(ab) else _swiglu(ab)

@@ -163,3 +163,14 @@ def test_synchronous_under_a_launcher_is_refused(config, monkeypatch):
     cfg = load_rl_config(config("sync-launched.yaml", asynchronous=False))
     with pytest.raises(InputError, match="without torchrun"):
         rl(cfg, progress=False)
+
+
+def test_the_trainer_stops_waiting_for_a_generator_that_never_joins(tmp_path):
+    """A generator process that dies before it joins ends the trainer's wait (a subprocess: the
+    waiting thread stays blocked in the rendezvous until its process exits)."""
+    code = ("from megabase.rl.transport import PeerGone, connect, free_port\n"
+            "try:\n    connect(0, f'tcp://127.0.0.1:{free_port()}', alive=lambda: False)\n"
+            "except PeerGone as exc:\n    print('gone:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert "gone: the generator's process ended before it joined" in done.stdout, done.stderr
