@@ -36,7 +36,8 @@ class RewardConfig:
     gc_max: float = 0.7
     max_homopolymer: int = 6  # longest run of one base allowed
     sites: list[str] = field(default_factory=lambda: list(GOLDEN_GATE_SITES))  # forbidden, both strands
-    penalty: float = 1.0  # reward lost per violation (GC window out of band, long run, site)
+    repeat_k: int = 12  # no word of this many bases twice (direct or inverted repeat); 0: off
+    penalty: float = 1.0  # reward lost per violation (GC window out of band, long run, site, repeat)
     function: str | None = None  # instead: "module:function" or "file.py:function", sequences -> rewards
     # the held-out check the policy is not trained on: other matrices and a stricter threshold
     heldout_motifs: list[str] = field(default_factory=lambda: ["MA0139.1"])  # CTCF, older matrix
@@ -147,6 +148,8 @@ def check(cfg: RLConfig, source: str) -> None:
         bad("reward.threshold", "and reward.heldout_threshold must be in [0, 1]")
     if not 0 <= r.gc_min <= r.gc_max <= 1:
         bad("reward.gc_min", f"must be <= reward.gc_max, both in [0, 1] (got {r.gc_min}, {r.gc_max})")
+    if r.repeat_k < 0:
+        bad("reward.repeat_k", f"must be 0 (off) or more, got {r.repeat_k}")
     if r.gc_window < 1 or r.max_homopolymer < 1:
         bad("reward.gc_window", "and reward.max_homopolymer must be at least 1")
     for site in r.sites:

@@ -57,8 +57,18 @@ class PWM:
         return (np.maximum(fwd, rev) - lo) / (hi - lo)
 
     def hits(self, tokens: np.ndarray, threshold: float) -> np.ndarray:
-        """Words scoring at least ``threshold`` on either strand, per sequence: ``[N]``."""
-        return (self.relative_scores(tokens) >= threshold).sum(1)
+        """Sites scoring at least ``threshold`` on either strand, per sequence: ``[N]``. Sites do
+        not overlap: read left to right, a site takes its ``width`` bases (a factor occupies its
+        site; counting every overlapping word let a short repeat score 17 "sites" in 100 bases)."""
+        good = self.relative_scores(tokens) >= threshold
+        out = np.zeros(good.shape[0], dtype=np.int64)
+        for i, row in enumerate(good):
+            free = 0
+            for p in np.flatnonzero(row):
+                if p >= free:
+                    out[i] += 1
+                    free = p + self.width
+        return out
 
 
 def jaspar_pwms(ids: Sequence[str], release: str) -> list[PWM]:
@@ -125,8 +135,26 @@ def site_count(tokens: np.ndarray, sites: Sequence[str]) -> np.ndarray:
     return out
 
 
+def repeats(tokens: np.ndarray, k: int) -> np.ndarray:
+    """Positions whose ``k``-base word already occurred earlier in the sequence, directly or as
+    its reverse complement (repeats are what DNA synthesis and assembly fail on): ``[N]``."""
+    N, L = tokens.shape
+    out = np.zeros(N)
+    if k < 1 or L < k:
+        return out
+    view = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int64), k, axis=1)
+    weights = 4 ** np.arange(k - 1, -1, -1, dtype=np.int64)
+    fwd = (view * weights).sum(-1)
+    rev = ((3 - view[..., ::-1]) * weights).sum(-1)
+    canonical = np.minimum(fwd, rev)
+    for i, row in enumerate(canonical):
+        out[i] = len(row) - len(np.unique(row))
+    return out
+
+
 class MotifReward:
-    """``sum over motifs of hits - penalty * (GC violations + long runs + forbidden sites)``."""
+    """``sum over motifs of hits - penalty * (GC violations + long runs + forbidden sites +
+    repeats)``."""
 
     def __init__(self, cfg: RewardConfig, motifs: Sequence[str] | None = None,
                  threshold: float | None = None):
@@ -140,11 +168,13 @@ class MotifReward:
         return {"motif_hits": np.asarray(hits, dtype=np.float64),
                 "gc_violations": gc_violations(tokens, c.gc_window, c.gc_min, c.gc_max),
                 "long_runs": long_runs(tokens, c.max_homopolymer),
-                "sites": site_count(tokens, c.sites)}
+                "sites": site_count(tokens, c.sites),
+                "repeats": repeats(tokens, c.repeat_k)}
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         p = self.parts(tokens)
-        return p["motif_hits"] - self.cfg.penalty * (p["gc_violations"] + p["long_runs"] + p["sites"])
+        return p["motif_hits"] - self.cfg.penalty * (p["gc_violations"] + p["long_runs"] +
+                                                     p["sites"] + p["repeats"])
 
 
 class CallableReward:

@@ -7,7 +7,7 @@ import pytest
 from megabase.data import InputError
 from megabase.rl.config import RewardConfig
 from megabase.rl.reward import (CallableReward, MotifReward, diversity, gc_violations, long_runs,
-                                site_count)
+                                repeats, site_count)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +39,42 @@ def test_constraints():
     assert site_count(bsai, ["CGTCTC"]).item() == 0
 
 
+def test_sites_do_not_overlap(ctcf):
+    """A site takes its bases: the best word written twice, overlapping by half, is one site;
+    written twice apart, two."""
+    pwm = ctcf.pwms[0]
+    best = pwm.log_odds.argmax(1)
+    w = pwm.width
+    x = np.random.default_rng(1).integers(0, 4, (2, 3 * w))
+    x[0, 0:w] = best
+    x[0, w // 2 : w // 2 + w] = best  # overwrites the second half: only this copy stays whole
+    x[1, 0:w] = best
+    x[1, w + 3 : 2 * w + 3] = best
+    assert pwm.hits(x, 0.99).tolist() == [1, 2]
+
+
+def test_repeats_count_direct_and_inverted_copies():
+    rng = np.random.default_rng(2)
+    unit = rng.integers(0, 4, 16)
+    x = rng.integers(0, 4, (3, 100))
+    assert repeats(x, 12).tolist() == [0, 0, 0]  # 89 random 12-mers: none twice
+    x[1, 10:26] = unit
+    x[1, 60:76] = unit  # a direct repeat of 16: five 12-mers again
+    x[2, 10:26] = unit
+    x[2, 60:76] = 3 - unit[::-1]  # an inverted repeat
+    assert repeats(x, 12).tolist() == [0, 5, 5]
+    tandem = np.tile(unit, 7)[None, :100]
+    assert repeats(tandem, 12).item() == 100 - 12 + 1 - 16  # all but the first period
+    assert repeats(x, 0).tolist() == [0, 0, 0]
+
+
 def test_reward_is_hits_minus_penalised_violations(ctcf):
     x = np.zeros((1, 100), dtype=np.int64)
     parts = ctcf.parts(x)
-    expect = parts["motif_hits"] - (parts["gc_violations"] + parts["long_runs"] + parts["sites"])
+    expect = parts["motif_hits"] - (parts["gc_violations"] + parts["long_runs"] + parts["sites"]
+                                    + parts["repeats"])
     assert ctcf(x) == pytest.approx(expect) and ctcf(x).item() < 0
+    assert parts["repeats"].item() == 100 - 12  # poly-A: one 12-mer, 89 times
 
 
 def test_on_human_dna(hsap_store, ctcf):
