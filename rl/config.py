@@ -65,7 +65,7 @@ class RLConfig:
     log_ratio_weight: float = 1e-3  # the small log^2(ratio) penalty (prime-rl's "kl")
     beta: float = 0.0  # KL to the starting model (k3 estimator), keeps designs DNA-like
     asynchronous: bool = True  # generator and trainer in two processes, the trainer a step behind
-    async_level: int = 1  # batches the generator may run ahead of the trainer's weights
+    async_level: int = 1  # versions a batch's starting weights may be behind the trainer's when it gets it
     max_off_policy_steps: int = 8  # groups with a base from an older policy than this are dropped
     recompute_state: bool = False  # on new weights mid-sample: recompute the cache (else keep it)
     routing_replay: bool = True  # the trainer uses the generator's experts (R3)

@@ -1,9 +1,12 @@
 """The asynchronous generator: rank 1 of the trainer's process group (:mod:`megabase.rl.transport`).
 
 Rank 1 runs :func:`generator_main`: batch after batch of the same :class:`SyncGenerator` the
-synchronous loop uses, each announced (``STARTED``) and sent with its rewards (``BATCH``), never
-more than ``async_level`` batches ahead of those the trainer took (``CONSUMED``); between decoding
-steps it takes the newest ``WEIGHTS`` the trainer sent. Rank 0 holds an :class:`AsyncGenerator`,
+synchronous loop uses, each announced (``STARTED``) and sent with its rewards (``BATCH``). Batch
+``b`` starts only with weights of version ``b - async_level`` or newer: the trainer takes batch
+``b`` at its step ``b``, so no group is more than ``async_level`` versions behind (prime-rl's
+rule; waiting only for the trainer to have *taken* batch ``b - async_level`` let it run two
+versions behind whenever the trainer was the slower side). Between decoding steps it takes the
+newest ``WEIGHTS`` the trainer sent. Rank 0 holds an :class:`AsyncGenerator`,
 the trainer's view of it: the next batch, the weights to publish, the counts in flight and in
 queue, and the shutdown (``STOP``, then every message up to the generator's ``BYE``).
 """
@@ -22,7 +25,7 @@ from . import transport
 from .config import RLConfig
 from .generator import SyncGenerator, flat_parameters, load_flat
 from .rollout import Rollout
-from .transport import BATCH, BYE, CONSUMED, ERROR, GONE, STARTED, STOP, WEIGHTS, Link
+from .transport import BATCH, BYE, ERROR, GONE, STARTED, STOP, WEIGHTS, Link
 
 
 class Stopped(Exception):
@@ -30,22 +33,23 @@ class Stopped(Exception):
 
 
 class RemoteWeights:
-    """The generator's side of the link: the trainer's newest weights and its count of batches
-    taken, read from the link's inbox without waiting (:meth:`take`) or waiting (:meth:`wait`)."""
+    """The generator's side of the link: the trainer's newest weights, read from the link's inbox
+    without waiting (:meth:`take`) or waiting for a version (:meth:`wait`)."""
 
     def __init__(self, link: Link):
         self.link = link
         self.latest: tuple[int, torch.Tensor] | None = None
-        self.consumed = 0
+
+    @property
+    def version(self) -> int:
+        return 0 if self.latest is None else self.latest[0]
 
     def _handle(self, item) -> None:
-        kind, a, b, payload = item
+        kind, a, _, payload = item
         if kind in (STOP, GONE):
             raise Stopped
-        if kind == WEIGHTS:
-            self.latest, self.consumed = (a, payload), max(self.consumed, b)
-        elif kind == CONSUMED:
-            self.consumed = max(self.consumed, a)
+        if kind == WEIGHTS and a > self.version:
+            self.latest = (a, payload)
 
     def _drain(self) -> None:
         while not self.link.inbox.empty():
@@ -59,10 +63,10 @@ class RemoteWeights:
         load_flat(model, flat)
         return version
 
-    def wait(self, consumed: int) -> None:
-        """Until the trainer has taken ``consumed`` batches."""
+    def wait(self, version: int) -> None:
+        """Until the trainer's weights of ``version`` or newer are here."""
         self._drain()
-        while self.consumed < consumed:
+        while self.version < version:
             self._handle(self.link.get())
 
 
@@ -88,7 +92,7 @@ def generator_main(cfg: RLConfig, checkpoint: str, address: str | None = None) -
         weights = RemoteWeights(link)
         source = SyncGenerator(cfg, load_model(checkpoint), weights, copy=False)
         while True:
-            weights.wait(source.batch - cfg.async_level)
+            weights.wait(source.batch - cfg.async_level)  # lag <= async_level at the trainer
             link.send(STARTED, source.batch)
             groups = source.next()
             link.send_object(BATCH, groups, source.batch - 1)
@@ -129,7 +133,7 @@ class AsyncGenerator:
         except transport.PeerGone as exc:
             raise TrainingError(f"{exc} (exit code {self.proc.exitcode}); nothing was trained") from None
         self.link = Link(peer=1)
-        self.started = self.received = self.consumed = 0
+        self.started = self.received = 0
         self.ended = False
         self.waiting: list[list[Rollout]] = []
 
@@ -158,12 +162,10 @@ class AsyncGenerator:
     def next(self) -> list[Rollout]:
         while not self.waiting:
             self._handle(self.link.get(self._alive))
-        self.consumed += 1
-        self.link.send(CONSUMED, self.consumed)
         return self.waiting.pop(0)
 
     def publish(self, model, version: int) -> None:
-        self.link.send(WEIGHTS, version, self.consumed, flat_parameters(model))
+        self.link.send(WEIGHTS, version, 0, flat_parameters(model))
 
     def counts(self) -> dict[str, float]:
         while not self.link.inbox.empty():

@@ -12,8 +12,8 @@ each tag between two ranks. A thread on each side receives into a queue, so the 
 for new weights between decoding steps at the cost of a queue read, and a dead peer (a closed
 connection) reaches the other side as an item instead of a hang.
 
-trainer -> generator: ``WEIGHTS`` (version, batches consumed; the flat parameters),
-``CONSUMED`` (batches consumed), ``STOP``. generator -> trainer: ``STARTED`` (batch),
+trainer -> generator: ``WEIGHTS`` (version; the flat parameters), ``STOP``. generator ->
+trainer: ``STARTED`` (batch),
 ``BATCH`` (batch; the pickled groups), ``ERROR`` (the pickled one-line message, whether it is
 an input error, the traceback), ``BYE``.
 """
@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-WEIGHTS, CONSUMED, STOP, STARTED, BATCH, ERROR, BYE, GONE = range(8)
+WEIGHTS, STOP, STARTED, BATCH, ERROR, BYE, GONE = range(7)
 
 
 class PeerGone(RuntimeError):

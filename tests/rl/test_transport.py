@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from megabase.data import InputError
 from megabase.rl.generator import WeightChannel, flat_parameters, generator_model
 from megabase.rl.remote import RemoteWeights, Stopped
-from megabase.rl.transport import (BATCH, CONSUMED, GONE, STOP, WEIGHTS, Link, connect,
+from megabase.rl.transport import (BATCH, GONE, STOP, WEIGHTS, Link, connect,
                                    disconnect, free_port)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,6 @@ def _trainer_side(address: str, numel: int) -> None:
     link = Link(peer=1)
     for version in (1, 2):
         link.send(WEIGHTS, version, 0, torch.full((numel,), float(version)))
-    link.send(CONSUMED, 3)
     kind, a, _, groups = link.get()
     link.send_object(BATCH, {"echo": groups, "at": a}, a)  # an object back, as a batch goes
     link.send(STOP)
@@ -67,7 +66,7 @@ def test_weights_and_objects_cross_in_order_and_stop_ends_the_generator():
         connect(1, address)
         link = Link(peer=0)
         weights = RemoteWeights(link)
-        weights.wait(3)  # blocks until the trainer says it took three batches
+        weights.wait(2)  # blocks until version 2 is here
         model = torch.nn.Linear(10, 100, bias=False)  # 1,000 parameters
         assert weights.take(model, 0) == 2  # the newest; version 1 was never applied
         assert torch.equal(flat_parameters(model), torch.full((numel,), 2.0))
@@ -174,3 +173,34 @@ def test_the_trainer_stops_waiting_for_a_generator_that_never_joins(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert "gone: the generator's process ended before it joined" in done.stdout, done.stderr
+
+
+def test_a_batch_starts_with_weights_at_most_async_level_versions_old(config):
+    """async_level 1: batches 0 and 1 may start on the checkpoint's weights (version 0), batch 2
+    waits for version 1, however many batches the trainer has taken (waiting only for the trainer
+    to take batches let a slow trainer receive groups two versions old)."""
+    import time
+
+    from megabase.infer.common import load_model
+    from megabase.rl import load_rl_config
+    from megabase.rl.remote import AsyncGenerator
+
+    cfg = load_rl_config(config("flow.yaml", asynchronous=True, threads=1))
+    source = AsyncGenerator(cfg, cfg.checkpoint)
+    try:
+        source.next(), source.next()
+        time.sleep(3.0)
+        source.counts()
+        assert source.started == 2  # batch 2 waits
+        source.publish(load_model(cfg.checkpoint), 1)
+        deadline = time.monotonic() + 120
+        while source.started < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            source.counts()
+        assert source.started == 3
+        groups = source.next()
+        time.sleep(3.0)
+        source.counts()
+        assert source.started == 3 and int(groups[0].versions.min()) == 1
+    finally:
+        source.close()
