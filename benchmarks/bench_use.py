@@ -1,6 +1,6 @@
 """Using a trained model at length, each figure a ratio against a baseline measured in the same run.
 
-    python benchmarks/bench_use.py [--only embed,generate,variants,samples] [--preset cpu-small]
+    python benchmarks/bench_use.py [--only embed,generate,batch,variants,samples] [--preset cpu-small]
         [--checkpoint RUN --data STORE --region REGION]
 
 (Scoring at a megabase, its time per base and memory: ``benchmarks/bench_stage.py --only score``.)
@@ -12,6 +12,9 @@ initialised model of ``--preset`` (speed and memory do not depend on the weights
   full pass, each in a fresh process.
 - generate: seconds per new base after a 65,536-base prompt, incremental (one step through the
   carried state) vs re-running the whole prefix for every base (target >= 100x).
+- batch: milliseconds per decoding step of 16 sequences after 256-base prompts (as ``megabase rl``
+  and ``generate --num-samples`` decode), the batch's new tokens through each MoE layer as one chunk
+  vs one chunk per sequence (the path every other forward takes).
 - variants: ``--variants`` SNVs (default 100) in one ``--window``-base window (default 16,384),
   shared reference pass vs two full passes per variant (one full pass timed, times 2 x variants;
   target >= 3x, floor ~4x), in a fresh process, with its peak RSS.
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 from megabase.data.vocab import SEP  # noqa: E402
+from megabase.model.layers import is_untiled as untiled_check  # noqa: E402
 
 
 def bases(n: int, offset: int = 0) -> np.ndarray:
@@ -126,6 +130,31 @@ def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -
     return {"incremental_s": per_base, "rerun_s": rerun}
 
 
+def bench_batch(preset: str, batch: int = 16, prompt_length: int = 256, steps: int = 50) -> dict:
+    from megabase.model import advance, moe
+    from megabase.model.layers import one_thread, untiled
+
+    model = model_of(preset)
+    prompts = torch.from_numpy(bases(batch * prompt_length).astype(np.int64)).reshape(batch, -1)
+    seq = torch.cat([torch.full((batch, 1), SEP), prompts], dim=1)
+    per_step = {}
+    with torch.no_grad():
+        for name, batched in (("per_sequence", False), ("one_chunk", True), ("per_sequence", False),
+                              ("one_chunk", True)):
+            moe.is_untiled = untiled_check if batched else (lambda: False)
+            state = model.init_state()
+            advance(model, seq, state)
+            nxt = torch.randint(0, 4, (steps, batch, 1), generator=torch.Generator().manual_seed(0))
+            start = time.perf_counter()
+            with untiled(), one_thread():  # as the samplers take each step
+                for i in range(steps):
+                    advance(model, nxt[i], state)
+            # the better of two rounds each: the first round of either warms the allocator
+            per_step[name] = min(per_step.get(name, float("inf")), (time.perf_counter() - start) / steps)
+    moe.is_untiled = untiled_check
+    return per_step
+
+
 def bench_variants(preset: str, count: int, window: int) -> dict:
     from megabase.infer import score_tile
 
@@ -185,7 +214,7 @@ def bench_samples(checkpoint: str, data: str, region: str, length: int, prompt_l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--only", default="embed,generate,variants,samples")
+    parser.add_argument("--only", default="embed,generate,batch,variants,samples")
     parser.add_argument("--preset", default="cpu-small")
     parser.add_argument("--variants", type=int, default=100)
     parser.add_argument("--window", type=int, default=16_384,
@@ -220,6 +249,11 @@ def main() -> None:
               "(one thread), "
               f"{r['rerun_s']:.2f} s re-running the prefix -> ratio {r['rerun_s'] / r['incremental_s']:.0f}x "
               "(target >= 100)", flush=True)
+    if "batch" in only:
+        r = bench_batch(args.preset)
+        print(f"decoding 16 sequences after 256 bases: {r['one_chunk'] * 1e3:.1f} ms per step with the "
+              f"batch as one MoE chunk, {r['per_sequence'] * 1e3:.1f} ms one chunk per sequence -> "
+              f"ratio {r['per_sequence'] / r['one_chunk']:.2f}x", flush=True)
     if "variants" in only:
         r = run_child("variants", args.window, args.preset, args.variants)
         print(f"variants: {r['variants']} SNVs in one {r['window']:,}-base window: shared pass {r['shared_s']:.1f} s, "
