@@ -1,7 +1,12 @@
 """The configuration of an exported megabase model (transformers ``AutoConfig``).
 
-``megabase`` holds the megabase ``ModelConfig`` fields the model was trained with; the rest are
-transformers' own (vocabulary, special tokens, classification labels). Written by ``megabase
+``megabase`` holds the megabase ``ModelConfig`` fields the model was trained with;
+``canonical_tiles`` (default True) keeps megabase's canonical row tiles, which make every base's
+numbers independent of the batch and of where a sequence is cut (megabase's own log-probs to the
+last bit); False runs the products on the rows as given: numbers move by fp32 round-off (~1e-6),
+and a batch of short sequences runs ~20x faster (each expert's few rows are not padded to a
+1,024-row tile), what fine-tuning on short windows wants. The rest are transformers' own
+(vocabulary, special tokens, classification labels). Written by ``megabase
 export-model``; loaded with ``trust_remote_code=True``.
 """
 
@@ -13,8 +18,9 @@ class MegabaseConfig(PretrainedConfig):
 
     def __init__(self, megabase: dict | None = None, vocab_size: int = 7, pad_token_id: int = 5,
                  bos_token_id: int = 6, eos_token_id: int | None = None,
-                 tie_word_embeddings: bool = False, **kwargs):
+                 tie_word_embeddings: bool = False, canonical_tiles: bool = True, **kwargs):
         self.megabase = dict(megabase or {})
+        self.canonical_tiles = bool(canonical_tiles)
         self.vocab_size = vocab_size
         d_model = self.megabase.get("d_model")
         if d_model is not None:

@@ -120,8 +120,13 @@ class MegabasePreTrainedModel(PreTrainedModel):
                 lambda m, args: captured.append(args[0])))
             hooks += [b.register_forward_hook(lambda m, a, out: captured.append(out[0]))
                       for b in self.model.blocks]
+        _, _, layers = megabase_modules()
         try:
-            logits = self.model(input_ids, state=state).logits
+            if getattr(self.config, "canonical_tiles", True):
+                logits = self.model(input_ids, state=state).logits
+            else:
+                with layers.untiled():
+                    logits = self.model(input_ids, state=state).logits
         finally:
             for h in hooks:
                 h.remove()
