@@ -120,7 +120,8 @@ def model_card(cfg, counts: dict, meta: dict, checkpoint: Path, report: dict | N
         "block i, as `megabase embed --layer i` gives it.",
         "- The model code travels in this folder (`megabase_sources.py`): no megabase install is "
         "needed. On a CPU with a C compiler its C kernels build on first use; without one the "
-        "PyTorch forms run.", "",
+        "PyTorch forms run (much slower, and equal to fp32 round-off only: where that flips a "
+        "sparse-attention top-k choice, a base's log-prob moves by up to ~3e-3).", "",
         "## Intended use and limits", "",
         "- For research on DNA sequence modelling: per-base likelihoods, zero-shot variant "
         "effects, embeddings, sampling, fine-tuning on sequence tasks.",
