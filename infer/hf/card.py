@@ -59,12 +59,15 @@ def _evaluation(report: dict, path: Path) -> list[str]:
     if probe:
         lines += ["", "Recall probe (a held-out stretch copied later into the same window: does the "
                   "model predict the second copy better?):", "",
-                  "| distance | first copy | second copy | DSA holds the aligned key |", "|---|---|---|---|"]
+                  "| distance | first copy | second copy | DSA layers hold the aligned key (chance) |",
+                  "|---|---|---|---|"]
         for p in probe:
-            rate = p.get("dsa_hit_rate")
+            rates = p.get("dsa_hit_rate")  # one per DSA layer; None without DSA layers
+            chance = p.get("chance_hit_rate")
+            held = "-" if not rates else " / ".join(f"{r:.0%}" for r in rates) + (
+                "" if chance is None else f" ({chance:.0%})")
             lines.append(f"| {p['distance']:,} | {p['first_copy_bits_per_base']:.3f} | "
-                         f"{p['second_copy_bits_per_base']:.3f} | "
-                         f"{'-' if rate is None else f'{rate:.0%}'} |")
+                         f"{p['second_copy_bits_per_base']:.3f} | {held} |")
     return lines
 
 

@@ -150,6 +150,25 @@ def test_a_report_reaches_the_card(checkpoint, tmp_path, capsys):
     assert "exported" in capsys.readouterr().out
 
 
+def test_a_report_of_megabase_evaluate_reaches_the_card(checkpoint, bundled_store, tmp_path):
+    # the evaluator's own report, probe included (its hit rates are one per DSA layer)
+    assert main(["evaluate", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-6,000", "--length", "2048", "--controls", "500",
+                 "--probe-windows", "2", "--probe-distances", "1000", "--baselines", "0",
+                 "--train", "chr01:1-200,000", "--no-copy", "--bootstrap", "20", "--quiet",
+                 "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                 "--out", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    rates = report["probe"][0]["dsa_hit_rate"]
+    assert isinstance(rates, list) and len(rates) >= 1
+    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"),
+                 "--report", str(tmp_path / "eval" / "report.json")]) == 0
+    card = (tmp_path / "o" / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| 1,000 |"))
+    assert " / ".join(f"{r:.0%}" for r in rates) in row
+    assert "markov order 0" in card and "What context beyond ~500 bases gives" in card
+
+
 def test_export_again_replaces_an_earlier_export(exported, checkpoint):
     (exported["out"] / "stale.txt").write_text("from before")
     assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(exported["out"])]) == 0
