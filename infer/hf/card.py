@@ -116,7 +116,7 @@ def model_card(cfg, counts: dict, meta: dict, checkpoint: Path, report: dict | N
         "- `AutoModelForSequenceClassification` adds a linear head on the mean of the final hidden "
         "states over a sequence's bases; pad on the right.",
         "- Batches of short sequences (fine-tuning, embedding windows): pass "
-        "`canonical_tiles=False` to `from_pretrained` for ~20x speed; the default keeps "
+        "`canonical_tiles=False` to `from_pretrained`, several times faster; the default keeps "
         "megabase's canonical row tiles, so log-probs equal megabase's to the last bit, at the "
         "cost of padding each expert's rows to 1,024.",
         "- `hidden_states[i]` (with `output_hidden_states=True`) is the residual stream after "
