@@ -6,7 +6,7 @@
 Exports ``--checkpoint`` (default: a freshly initialised ``--preset``; speed does not depend on
 the weights) with ``megabase export-model``, loads it with ``transformers`` in a subprocess where
 megabase is not importable (as on a user's machine), and times one forward of ``--windows``
-windows of ``--length`` real bases of the bundled genome's chr22, as a linear probe or a
+windows of ``--length`` real bases of the bundled genome's chr22 (``bench_use``'s), as a linear probe or a
 fine-tuning step reads them: the default ``canonical_tiles=True`` (megabase's 1,024-row tiles,
 its log-probs to the last bit) against ``canonical_tiles=False`` (products on the rows as given).
 Prints both times, the ratio and the largest log-prob difference between the two.
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GENOMES, machine  # noqa: E402
+from bench_use import bases, model_of  # noqa: E402
+from common import machine  # noqa: E402
 
 LOAD = r'''
 import json, sys, time
@@ -51,24 +52,9 @@ print(json.dumps(res))
 '''
 
 
-def checkpoint_of(preset: str, folder: Path) -> Path:
-    from megabase.model import build_model, save_checkpoint
-
-    torch.manual_seed(0)
-    model = build_model(preset)
-    with torch.no_grad():  # the zero-started head and k-mer tables: give the outputs some spread
-        model.head.weight.normal_(0, 0.5)
-        if model.kmers is not None:
-            model.kmers.table.normal_(0, 0.3)
-    return save_checkpoint(model, folder / "ckpt")
-
-
 def windows(count: int, length: int) -> list[str]:
-    from megabase.data import TokenStore, prepare
-
-    with tempfile.TemporaryDirectory() as tmp:
-        prepare(GENOMES / "hsap_chr22_subset.fa.gz", Path(tmp) / "store", progress=False)
-        tokens = np.asarray(TokenStore(Path(tmp) / "store").tokens("chr22"))
+    """``count`` windows of ``length`` A/C/G/T (no N) from the bundled genome's chr22."""
+    tokens = bases(count * length * 8)
     starts = [s for s in range(0, len(tokens) - length, length) if (tokens[s : s + length] < 4).all()]
     pick = np.random.default_rng(0).choice(starts, count, replace=False)
     return ["".join("ACGT"[b] for b in tokens[s : s + length]) for s in pick]
@@ -82,11 +68,12 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=200)
     args = ap.parse_args()
     from megabase.infer.hf import export_model
+    from megabase.model import save_checkpoint
 
     print(f"machine: {machine()}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        ckpt = args.checkpoint or checkpoint_of(args.preset, tmp)
+        ckpt = args.checkpoint or save_checkpoint(model_of(args.preset), tmp / "ckpt")
         export_model(ckpt, tmp / "hf")
         (tmp / "seqs.json").write_text(json.dumps(windows(args.windows, args.length)))
         # run from the temporary folder: the repository's kernels/ would shadow transformers' own

@@ -6,9 +6,9 @@ synchronous loop uses, each announced (``STARTED``) and sent with its rewards (`
 ``b`` at its step ``b``, so no group is more than ``async_level`` versions behind (prime-rl's
 rule; waiting only for the trainer to have *taken* batch ``b - async_level`` let it run two
 versions behind whenever the trainer was the slower side). Between decoding steps it takes the
-newest ``WEIGHTS`` the trainer sent. Rank 0 holds an :class:`AsyncGenerator`,
-the trainer's view of it: the next batch, the weights to publish, the counts in flight and in
-queue, and the shutdown (``STOP``, then every message up to the generator's ``BYE``).
+newest ``WEIGHTS`` the trainer sent. Rank 0 holds an :class:`AsyncGenerator`, the trainer's view
+of it: the next batch, the weights to publish, the counts in flight and in queue, and the
+shutdown (``STOP``, then every message up to the generator's ``BYE``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Two ranks of a torch.distributed group (:mod:`megabase.rl.remote`): the generato
 of groups and sends them with their rewards; the trainer takes a batch, drops groups past
 ``max_off_policy_steps``, updates, and sends its weights. The generator starts a batch with
 weights at most ``async_level`` versions older than the trainer's when it takes it (prime-rl's one
-step ahead by default), and takes
-new weights between decoding steps. ``asynchronous: false`` runs both in one process, each waiting
-for the other: the baseline the asynchronous run is timed against.
+step ahead by default), and takes new weights between decoding steps. ``asynchronous: false``
+runs both in one process, each waiting for the other: the baseline the asynchronous run is timed
+against.
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ for new weights between decoding steps at the cost of a queue read, and a dead p
 connection) reaches the other side as an item instead of a hang.
 
 trainer -> generator: ``WEIGHTS`` (version; the flat parameters), ``STOP``. generator ->
-trainer: ``STARTED`` (batch),
-``BATCH`` (batch; the pickled groups), ``ERROR`` (the pickled one-line message, whether it is
-an input error, the traceback), ``BYE``.
+trainer: ``STARTED`` (batch), ``BATCH`` (batch; the pickled groups), ``ERROR`` (the pickled
+one-line message, whether it is an input error, the traceback), ``BYE``.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 numbers independent of the batch and of where a sequence is cut (megabase's own log-probs to the
 last bit); False runs the products on the rows as given: numbers move by fp32 round-off (~1e-6),
 and a batch of short sequences runs several times faster (each expert's few rows are not padded
-to a 1,024-row tile; benchmarks/bench_hf.py), what fine-tuning on short windows wants. The rest are transformers' own
-(vocabulary, special tokens, classification labels). Written by ``megabase
-export-model``; loaded with ``trust_remote_code=True``.
+to a 1,024-row tile), what fine-tuning on short windows wants. The rest are transformers' own
+(vocabulary, special tokens, classification labels). Written by ``megabase export-model``; loaded
+with ``trust_remote_code=True``.
 """
 
 from transformers import PretrainedConfig

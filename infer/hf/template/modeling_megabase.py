@@ -22,6 +22,7 @@ cache: a new base costs one step, and with the same seed it draws megabase gener
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +124,8 @@ class MegabasePreTrainedModel(PreTrainedModel):
                       for b in self.model.blocks]
         _, _, layers = megabase_modules()
         try:
-            if getattr(self.config, "canonical_tiles", True):
+            with nullcontext() if self.config.canonical_tiles else layers.untiled():
                 logits = self.model(input_ids, state=state).logits
-            else:
-                with layers.untiled():
-                    logits = self.model(input_ids, state=state).logits
         finally:
             for h in hooks:
                 h.remove()
