@@ -467,10 +467,12 @@ def _tracking_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _whole(text: str, least: int = 0) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    from .config import parse_number
+
+    value = parse_number(text, int)
+    if value is None:
+        comma = " (a comma may only separate thousands, as in 65,536)" if "," in text else ""
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}{comma}")
     if value < least:
         raise argparse.ArgumentTypeError(f"must be {'positive' if least else 'at least 0'}, "
                                          f"got {value}")

@@ -160,12 +160,10 @@ def _convert(value, hint, where: str, source: str):
     if hint in (int, float):
         if isinstance(value, bool):
             raise InputError(f"{where} must be a number, got {value!r}", source)
-        try:
-            number = float(str(value).replace("_", "").replace(",", "")) if hint is float else \
-                int(str(value).replace("_", "").replace(",", ""))
-        except ValueError:
+        number = parse_number(value, hint)
+        if number is None:
             raise InputError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
-                             f"got {_short(value)}", source) from None
+                             f"got {_short(value)}{_comma_hint(value)}", source)
         if not math.isfinite(number):
             raise InputError(f"{where} must be a finite number, got {value!r}", source)
         return number
@@ -174,6 +172,38 @@ def _convert(value, hint, where: str, source: str):
             raise InputError(f"{where} must be a string, got {value!r}", source)
         return str(value)
     raise TypeError(hint)
+
+
+# a comma in a number is a thousands separator only where every group after it has three digits:
+# ``65,536`` is 65536, but ``0,7`` (a decimal comma), ``1,5`` and ``4096,8192`` (two numbers) are
+# refused; dropping the comma would read them as 7, 15 and 40968192
+_GROUPED = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+")
+
+
+def parse_number(value, kind: type = int):
+    """``value`` (a YAML scalar or a command-line string) as ``kind`` (int or float), or None.
+    Underscores group digits as in Python (``1_048_576``); a comma only as a thousands separator
+    of a whole number (``1,048,576``), never in a fraction, where it may be a decimal comma."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) or (isinstance(value, float) and kind is float):
+        return kind(value)
+    text = str(value).strip()
+    if "," in text:
+        if kind is not int or not _GROUPED.fullmatch(text):  # 1,500 minutes or 1.5?
+            return None
+        text = text.replace(",", "")
+    try:
+        return kind(text.replace("_", "")) if "__" not in text else None
+    except ValueError:
+        return None
+
+
+def _comma_hint(value) -> str:
+    if "," not in str(value):
+        return ""
+    return (" (a comma may only separate the thousands of a whole number, as in 65,536; write "
+            "a decimal point for a fraction, and one number)")
 
 
 def build_section(cls, data: dict, source: str, name_of=str):
@@ -203,7 +233,7 @@ def _build(cls, data: dict, prefix: str, source: str):
     if not isinstance(data, dict):
         raise InputError(f"{prefix or 'the config'} must be a mapping, got {data!r}", source)
     hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    known = known_keys(cls)
     for key in data:
         if key not in known:
             where = f"{prefix}.{key}" if prefix else key
@@ -216,6 +246,11 @@ def _build(cls, data: dict, prefix: str, source: str):
         where = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
+            if data[name] is not None and not isinstance(data[name], dict):
+                # ``--set data=`` would otherwise read as an empty section: every key's default
+                raise InputError(f"{where} is a section, not a value (got {_short(data[name])}); "
+                                 f"set its keys, e.g. {where}.{next(iter(known_keys(hint)))}=...",
+                                 source)
             kwargs[name] = _build(hint, data[name] or {}, where, source)
             continue
         value = _convert(data[name], hint, where, source)
@@ -228,6 +263,11 @@ def _build(cls, data: dict, prefix: str, source: str):
             raise InputError(f"{where} must be a positive number of minutes, got {value}", source)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def known_keys(cls) -> list[str]:
+    """The keys a config section ``cls`` takes, in order."""
+    return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
 def _set(tree: dict, assignment: str) -> None:
@@ -274,6 +314,19 @@ def _yaml(text: str, source: str):
                 raise InputError(f"YAML alias at line {mark.line + 1} (aliases are not allowed in "
                                  "a megabase config: write the value out)", source)
             return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            # PyYAML keeps the last of two equal keys: a second ``train:`` section would replace
+            # the first whole, without a word
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise InputError(f"key {key!r} appears twice in one mapping (lines "
+                                     f"{seen[key] + 1} and {key_node.start_mark.line + 1}): "
+                                     "merge them into one", source)
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
 
     NoAliases.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
     try:

@@ -108,3 +108,54 @@ def test_repeat_schedule():
     assert [repeat_frac_at(s, demo) for s in (0, 119, 120)] == [0.5, 0.5, 0.05]
     off = load_config(None, ["data.repeat_frac=0", "data.repeat_frac_first=null"]).data
     assert repeat_frac_at(0, off) == 0.0
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["train.max_minutes=1,5"], "train.max_minutes must be a number, got '1,5' (a comma"),
+    (["train.lr=0,001"], "train.lr must be a number, got '0,001'"),
+    (["train.steps=4096,8192"], "train.steps must be an integer, got '4096,8192'"),
+    (["train.steps=1,5"], "train.steps must be an integer, got '1,5'"),
+    (["data.window_length=16,38"], "data.window_length must be an integer"),
+])
+def test_a_comma_is_never_dropped_from_a_number(sets, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        load_config(None, sets)
+
+
+def test_a_comma_separates_thousands_of_a_whole_number():
+    from megabase.pipeline.config import parse_number
+
+    cfg = load_config(None, ["data.window_length=16,384", "train.steps=1_000"])
+    assert cfg.data.window_length == 16384 and cfg.train.steps == 1000
+    assert parse_number("1,048,576") == 1048576 and parse_number("-1,000") == -1000
+    assert parse_number("1,500", float) is None and parse_number("0,7", float) is None
+
+
+def test_the_cli_reads_numbers_as_written(capsys):
+    from megabase.pipeline.cli import main
+
+    assert main(["evaluate", "--checkpoint", "x", "--data", "y", "--length", "4096,8192"]) == 2
+    assert "--length must be an integer, got '4096,8192'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["score", "--checkpoint", "x", "--data", "y", "--regions", "chr1", "--out", "o",
+              "--context", "1,5"])
+    assert exit_.value.code == 2
+    assert "expected a whole number, got '1,5'" in capsys.readouterr().err
+
+
+def test_a_section_given_twice_is_refused(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  steps: 3\ndata:\n  window_length: 4096\ntrain:\n  lr: 0.001\n")
+    with pytest.raises(InputError, match=re.escape(f"{twice}: key 'train' appears twice in one "
+                                                   "mapping (lines 1 and 5)")):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(InputError, match="key 'steps' appears twice"):
+        load_config(nested)
+
+
+@pytest.mark.parametrize("assignment", ["data=", "data=null", "model=debug", "train=[1]"])
+def test_a_section_is_not_a_value(assignment):
+    with pytest.raises(InputError, match=f"{assignment.split('=')[0]} is a section, not a value"):
+        load_config(None, [assignment])
