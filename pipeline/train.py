@@ -145,7 +145,7 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
     )
     from .distributed import trainer_kwargs
     from .lit import LitLM, StepLog
-    from .workdir import ensure_windows, open_store
+    from .workdir import ensure_windows, open_store, relocate_artifacts
 
     store = open_store(cfg)
     bed = ensure_windows(cfg, store)
@@ -165,6 +165,8 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
     if zero:
         write_atomic(out / "config.yaml", dump_config(cfg).encode())
 
+    if zero and ckpt is not None and cfg.tracking.tracking_uri is None:
+        relocate_artifacts(cfg.root)  # the workdir may have moved since the run began
     uri = resolve_tracking_uri(cfg.tracking_uri())
     quiet_libraries()
     from mlflow.tracking import MlflowClient
@@ -221,7 +223,14 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
         warnings.filterwarnings("ignore", ".*Checkpoint directory .* exists and is not empty.*")
         warnings.filterwarnings("ignore", ".*treespec, LeafSpec.*")
         if start_step < t.steps:
-            trainer.fit(lit, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
+            try:
+                trainer.fit(lit, train_dataloaders=loader, ckpt_path=str(ckpt) if ckpt else None)
+            except SystemExit:
+                # Lightning turns Ctrl-C (and SIGTERM, which the CLI makes one) into sys.exit(1)
+                # with nothing said; the CLI's interrupted line and status 130 are the contract
+                if trainer.interrupted:
+                    raise KeyboardInterrupt from None
+                raise
     final = latest_checkpoint(out)
     steps = trainer.global_step or start_step  # the final checkpoint's step
     if not trainer.is_global_zero:

@@ -59,3 +59,38 @@ def ensure_windows(cfg: RunConfig, store) -> Path:
         raise InputError(f"no training windows of {d.window_length:,} bases in "
                          f"{','.join(d.train)}", store.path)
     return write_bed(path, windows, comment)
+
+
+def relocate_artifacts(root: Path) -> int:
+    """Point a moved workdir's MLflow store at its own ``mlartifacts``; returns the rows changed.
+
+    MLflow stores absolute artifact locations, so a workdir moved to other storage would log a
+    resumed run's artifacts to the old folder, re-created. A location is rewritten only where it
+    ends in ``/mlartifacts`` (megabase's layout, beside the database) and that old folder is gone:
+    a store other runs still share elsewhere is left as it is.
+    """
+    import sqlite3
+    from contextlib import closing
+    from urllib.parse import unquote, urlparse
+
+    db, new = root / "mlflow.db", (root / "mlartifacts").resolve().as_uri()
+    if not db.is_file():
+        return 0
+    changed = 0
+    with closing(sqlite3.connect(db, timeout=120)) as con:
+        try:
+            locations = [loc for (loc,) in con.execute("SELECT artifact_location FROM experiments")]
+        except sqlite3.DatabaseError:  # not an MLflow store of ours: nothing to rewrite
+            return 0
+        olds = {loc[: loc.index("/mlartifacts") + len("/mlartifacts")] for loc in locations
+                if loc and loc.startswith("file://") and "/mlartifacts" in loc}
+        for old in sorted(olds - {new}):
+            if Path(unquote(urlparse(old).path)).exists():
+                continue
+            for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+                changed += con.execute(
+                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608
+                    f"WHERE substr({column}, 1, ?) = ?",
+                    (new, len(old) + 1, len(old), old)).rowcount
+        con.commit()
+    return changed

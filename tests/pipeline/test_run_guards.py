@@ -75,3 +75,16 @@ def test_a_resume_with_other_settings_refuses_before_writing(bundled_store, tmp_
     assert main(["train", *tiny(tmp_path, bundled_store, 6), "--resume", "--quiet"]) == 0
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 6
     assert sorted(read_train_log(run)) == list(range(1, 7))
+
+
+def test_a_moved_workdir_resumes(bundled_store, tmp_path, capsys):
+    assert main(["train", *tiny(tmp_path / "a", bundled_store, 4), "--quiet"]) == 0
+    (tmp_path / "a").rename(tmp_path / "b")  # to other storage, as a cluster's scratch is
+    # a new process, as a resume is (MLflow caches a run's artifact folder in the process)
+    subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "train",
+                    *tiny(tmp_path / "b", bundled_store, 6), "--resume", "--quiet"], check=True)
+    run = tmp_path / "b" / "runs" / "tiny"
+    assert sorted(read_train_log(run)) == list(range(1, 7))
+    assert yaml.safe_load((run / "config.yaml").read_text())["workdir"] == str(tmp_path / "b")
+    assert not (tmp_path / "a").exists(), sorted(p for p in (tmp_path / "a").rglob("*"))
+    assert list((tmp_path / "b" / "mlartifacts").rglob("checkpoint.json"))

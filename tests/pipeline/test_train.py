@@ -249,3 +249,20 @@ def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, 
     assert main(["train", *args, "--quiet"]) == 0
     plain = loss_curve(tmp_path / "d" / "runs" / "tiny")
     assert not np.allclose(planted, plain)  # the copies change what is trained on
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_train_interrupted_mid_step_says_so_and_exits_130(bundled_store, tmp_path, sig):
+    cmd = [sys.executable, "-m", "megabase.pipeline.cli", "train",
+           *tiny(tmp_path, bundled_store, 400), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "runs" / "tiny" / "train_log.jsonl"
+    while proc.poll() is None and not (log.is_file() and log.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    os.kill(proc.pid, sig)  # inside trainer.fit: Lightning's own handler sees it first
+    _, err = proc.communicate()
+    err = err.decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == \
+        "megabase train: interrupted; nothing half-written was kept", err[-2000:]
+    assert "Traceback" not in err
