@@ -491,7 +491,8 @@ def dump_config(cfg: RunConfig) -> str:
 
 # What a resumed run may set otherwise than it was started with: where its workdir now is
 # (moved to other storage), how long it runs, on how many ranks (batch_size is the global batch:
-# the same data at any world size), with which memory knobs, how it is evaluated and tracked. Anything else changes the model or the data it is fed.
+# the same data at any world size), with which memory knobs, how it is evaluated and tracked.
+# Anything else changes the model or the data it is fed.
 RESUMABLE = {"workdir", "train.steps", "train.max_minutes", "train.checkpoint_every",
              "train.num_workers", "train.recompute", "train.offload", "train.trim_heap",
              "train.devices", "train.num_nodes", "train.context_parallel", "tracking.experiment",
