@@ -12,6 +12,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from megabase.data.progress import Progress
+
 from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
 from .errors import TrainingDivergedError
@@ -42,6 +44,46 @@ class StepLog(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.record_step(batch_idx)
+
+
+class StepProgress(Progress):
+    """A :class:`~megabase.data.progress.Progress` whose lines end with the latest loss."""
+
+    note = ""
+
+    def line(self) -> str:
+        return super().line() + (f", {self.note}" if self.note else "")
+
+
+class LogProgress(pl.Callback):
+    """Training progress as periodic log lines (:mod:`megabase.data.progress`), for a stderr that
+    is not a terminal (a cluster job's log), where Lightning's bar is a stream of carriage returns
+    a person reads as a hang. Rank 0 only; placed after :class:`StepLog`, whose row it quotes."""
+
+    def __init__(self, start_step: int, steps: int, every_s: float | None = None):
+        self.start_step, self.steps, self.every_s = start_step, steps, every_s
+        self.bar = None
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            since = f" from step {self.start_step}" if self.start_step else ""
+            self.bar = StepProgress(self.steps - self.start_step, f"train{since}", "step",
+                                     every_s=self.every_s, bar=False)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.bar is None or (batch_idx + 1) % pl_module.cfg.train.grad_accum:
+            return
+        row = pl_module.history[-1]
+        self.bar.note = f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']}"
+        t = pl_module.cfg.train
+        self.bar.update(1, tokens=row["window_length"] * t.batch_size * t.grad_accum)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    on_exception = on_train_end
 
 
 class LitLM(pl.LightningModule):
@@ -226,3 +268,4 @@ def peak_memory_gib(device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
         resumable_state,
     )
     from .distributed import trainer_kwargs
-    from .lit import LitLM, StepLog
+    from .lit import LitLM, LogProgress, StepLog
     from .workdir import ensure_windows, open_store, relocate_artifacts
 
     store = open_store(cfg)
@@ -207,14 +208,17 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
              "data": {"store": str(store.path), "windows": str(bed)},
              **({"init_from": str(resolve_checkpoint(t.init_from).resolve())} if t.init_from else {})}
     saver = PeriodicCheckpoint(out, t.checkpoint_every)
+    terminal = sys.stderr.isatty()  # else a log file: lines every so often, not a bar's redraws
+    shown = [] if not progress else [TQDMProgressBar()] if terminal else \
+        [LogProgress(start_step, t.steps)]
     trainer = pl.Trainer(
         **trainer_kwargs(t.devices, t.num_nodes), max_steps=t.steps, max_epochs=-1,
         max_time=None if t.max_minutes is None else datetime.timedelta(minutes=t.max_minutes),
         precision="bf16-mixed" if t.precision == "bf16" else "32-true",
         accumulate_grad_batches=t.grad_accum, gradient_clip_val=t.grad_clip or None,
         logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=progress, num_sanity_val_steps=0,
-        callbacks=[StepLog(), saver, *([TQDMProgressBar()] if progress else [])],
+        enable_model_summary=False, enable_progress_bar=progress and terminal,
+        num_sanity_val_steps=0, callbacks=[StepLog(), saver, *shown],
         plugins=[DirectoryCheckpointIO(model, lambda: extra)],
     )
     with warnings.catch_warnings():

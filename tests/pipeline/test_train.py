@@ -266,3 +266,18 @@ def test_train_interrupted_mid_step_says_so_and_exits_130(bundled_store, tmp_pat
     assert err.strip().splitlines()[-1] == \
         "megabase train: interrupted; nothing half-written was kept", err[-2000:]
     assert "Traceback" not in err
+
+
+def test_training_progress_reaches_a_log_file_as_lines(bundled_store, tmp_path):
+    log = tmp_path / "job.err"
+    with open(log, "w") as err:  # a cluster job's stderr: a file, not a terminal
+        subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "train",
+                        *tiny(tmp_path, bundled_store, 4)], stdout=subprocess.DEVNULL, stderr=err,
+                       env={**os.environ, "MEGABASE_PROGRESS_EVERY_S": "0"}, check=True)
+    lines = log.read_text().splitlines()
+    steps = [line for line in lines if line.startswith("megabase: train: ")]
+    assert len(steps) == 5, lines  # one a step, then the closing line
+    assert re.match(r"megabase: train: 2/4 steps \(50%\), .* tokens/s, ETA .*, loss \d\.\d{4} "
+                    r"bits/base at step 2$", steps[1]), steps
+    assert steps[-1].startswith("megabase: train: 4 steps done in ")
+    assert "\r" not in log.read_text()  # no bar redrawn into the file
