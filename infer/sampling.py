@@ -132,7 +132,7 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
     """Sample ``samples`` continuations (seeds ``seed``, ``seed + 1``, ...) of ``length`` bases
     after a prompt (a region of the store ``data``, or the first record of ``prompt_fasta``);
     with ``out`` (a file) write them as FASTA."""
-    from tqdm.auto import tqdm
+    from megabase.data.progress import progress as progress_of
 
     started = time.perf_counter()
     _check_sampling(length, temperature, top_k)
@@ -147,7 +147,7 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
         check_output_dir(out.parent)
     model = load_model(checkpoint, dsa_stage)
     results = []
-    with tqdm(total=samples * length, unit="base", disable=not progress, desc="generate") as bar:
+    with progress_of(samples * length, "generate", unit="base", enabled=progress) as bar:
         for i in range(samples):
             results.append(generate_tokens(model, prompt, length, temperature, top_k, seed + i,
                                            segment, bar.update))
