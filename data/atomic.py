@@ -52,31 +52,71 @@ def write_atomic(path: str | Path, data: bytes) -> Path:
 @contextmanager
 def writing(path: str | Path) -> Iterator[Path]:
     """A temporary sibling of ``path`` to write by name (for a library that opens the file itself),
-    renamed to ``path`` when the block ends, removed if it raises; it follows the user's umask."""
+    renamed to ``path`` when the block ends, removed if it raises; it follows the user's umask.
+    An OSError on the way names ``path``, never the temporary (:func:`naming`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
-    os.close(fd)
-    try:
-        with naming(path):
+    with naming(path):
+        fd, made = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
+        os.close(fd)
+        tmp = path.parent / Path(made).name  # as the caller wrote path (mkstemp's is absolute)
+        try:
             yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; a file the user writes follows umask
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; follow the umask
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# numpy's short write to a full disk: OSError('100000 requested and 2484 written'), no errno
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 
 
 @contextmanager
 def naming(path: str | Path) -> Iterator[None]:
-    """An OSError raised in the block without a file name (a write to an open file on a full
-    disk, past a file-size limit) gets ``path``, so its one line says what could not be written."""
+    """An OSError raised in the block names ``path``, so its one line says what could not be
+    written: an error without a file name (a write to an open file on a full disk, past a
+    file-size limit) gets ``path``; one naming a temporary of ``path`` (``.<name>.tmp-<pid>-*``
+    of :func:`writing` and :func:`building_dir`, or a file inside one) names ``path`` (or the
+    file inside it) instead, a name the user knows."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is None:
-            exc.filename = str(path)
+        retarget(exc, Path(path))
         raise
+
+
+def retarget(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` as :func:`naming` describes (changed in place, and returned)."""
+    if exc.errno is None and exc.strerror is None and exc.args:
+        # an OSError of one message prints "[Errno None] None" once it has a file name: keep the
+        # message as its reason
+        reason = str(exc.args[0])
+        if _SHORT_WRITE.fullmatch(reason):
+            reason = f"short write ({reason}): the disk is full or a file-size limit was reached"
+        exc.strerror = reason
+    if exc.filename is None:
+        exc.filename = str(path)
+    for attr in ("filename", "filename2"):
+        name = getattr(exc, attr)
+        if name is not None:
+            setattr(exc, attr, _untemp(os.fsdecode(name), path))
+    return exc
+
+
+def _untemp(name: str, path: Path) -> str:
+    """``name`` with a temporary of ``path`` in it written as ``path``: ``dir/.<name>.tmp-1-x/f``
+    (:func:`writing`, :func:`building_dir`) as ``dir/<name>/f``, ``dir/.<name>.old-x/previous``
+    (:func:`replace_dir`) and the lock ``dir/.<name>.lock`` (``data.locks``) as ``dir/<name>``;
+    any other name as it is."""
+    parts = Path(name).parts
+    for i, part in enumerate(parts):
+        if part.startswith(f".{path.name}.tmp-"):
+            return str(Path(*parts[:i], path.name, *parts[i + 1:]))
+        if part.startswith(f".{path.name}.old-") or part == f".{path.name}.lock":
+            return str(Path(*parts[:i], path.name))
+    return name
 
 
 def current_umask() -> int:
@@ -103,16 +143,18 @@ def building_dir(out: Path, install: Callable[[Path, Path], None] = replace_dir,
     """A temporary sibling of ``out`` to build a directory in; when the block ends normally,
     ``install(tmp, out)`` moves it into place (default: replace ``out`` whole). On any error,
     Ctrl-C or SIGTERM the temporary is removed and ``out`` is as it was. ``mode``: the folder's
-    permissions (default: the umask's, where ``mkdtemp`` gives 0700)."""
+    permissions (default: the umask's, where ``mkdtemp`` gives 0700). An OSError names ``out``
+    or the file in it being written, not the temporary (:func:`naming`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
-    try:
-        tmp.chmod(0o777 & ~current_umask() if mode is None else mode)
-        yield tmp
-        install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with naming(out):
+        tmp = out.parent / Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent)).name
+        try:
+            tmp.chmod(0o777 & ~current_umask() if mode is None else mode)
+            yield tmp
+            install(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def file_sha256(path: str | Path) -> str:

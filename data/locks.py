@@ -6,6 +6,9 @@ its holder exits, however it exits (a SIGKILL or a crash leaves no stale lock, o
 the next holder takes over); a holder that ends normally removes the file. Locks are reentrant
 within a process, because ``megabase run`` holds its run's lock around ``train``, which takes it
 too.
+
+Readers take shared holds instead (:func:`hold_reading`): ``evaluate`` holds the checkpoint it
+reads, and checkpoint rotation (:func:`remove_unless_read`) skips a folder any reader holds.
 """
 
 from __future__ import annotations
@@ -110,3 +113,87 @@ def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float) -> int:
             os.write(fd, f"{os.getpid()} {' '.join(['megabase', *sys.argv[1:2]])}\n".encode())
             return fd
         os.close(fd)
+
+
+READERS = ".readers.lock"  # inside a folder being read: a shared flock per reader
+
+
+def hold_reading(folder: str | Path) -> int | None:
+    """Take a shared hold on ``folder`` (e.g. a checkpoint being evaluated): until
+    :func:`release_reading` of the descriptor returned, :func:`remove_unless_read` leaves the
+    folder alone. Any number of readers hold it at once.
+
+    Returns the descriptor, or None for a folder this process cannot write in (read-only
+    storage: no hold file can be made there). Raises FileNotFoundError when ``folder`` is gone,
+    or was removed while this waited for a remover that had already begun."""
+    pin = Path(folder) / READERS
+    try:
+        fd = os.open(pin, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a remover, which holds it while removing
+        if os.stat(pin).st_ino != os.fstat(fd).st_ino:  # held a file whose folder was removed
+            raise FileNotFoundError(errno.ENOENT, "removed while waiting for its hold", str(folder))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_reading(fd: int | None) -> None:
+    """Give back a hold from :func:`hold_reading`."""
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+@contextmanager
+def reading(folder: str | Path) -> Iterator[Path]:
+    """:func:`hold_reading` of ``folder`` for the block."""
+    fd = hold_reading(folder)
+    try:
+        yield Path(folder)
+    finally:
+        release_reading(fd)
+
+
+def remove_unless_read(folder: str | Path) -> bool:
+    """Remove ``folder`` unless a reader holds it (:func:`hold_reading`); True when it is gone.
+
+    The folder is first renamed to a temporary sibling (``.<name>.tmp-<pid>-*``, which
+    ``data.atomic.remove_stale_temps`` clears if this process dies midway), under an exclusive
+    hold, so a reader either holds it before (and it stays) or finds it gone; never a half-removed
+    folder, nor one re-created around a new hold file."""
+    import shutil
+    import tempfile
+
+    from .atomic import temp_prefix
+
+    folder = Path(folder)
+    try:
+        fd = os.open(folder / READERS, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        return not folder.exists()
+    except OSError:
+        fd = None  # no hold file can be made there, so no reader holds it either
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        grave = None
+        try:
+            grave = Path(tempfile.mkdtemp(prefix=temp_prefix(folder), dir=folder.parent))
+            os.replace(folder, grave / folder.name)
+        except OSError:  # a parent it cannot write in: the folder stays as it is
+            return False
+        finally:
+            if grave is not None:
+                shutil.rmtree(grave, ignore_errors=True)
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -75,14 +75,51 @@ def split_regions(value: str) -> list[str]:
     return items
 
 
-def _check_overlaps(regions: list[tuple[str, Region, int]]) -> None:
+def first_overlap(regions: list[tuple[str, Region, int]]) -> tuple[tuple[str, str], ...] | None:
+    """The first two regions of different splits that share bases, as ``((split, region),
+    (split, region))`` (regions as written); None when the splits are disjoint.
+
+    ``regions``: ``(split, region, end)`` as :func:`resolve_splits` gives them. Each region is
+    checked against the furthest-reaching region of every other split seen so far on its record,
+    so a region nested in a longer one of its own split cannot hide an overlap."""
     spans = sorted((r.name, r.start, end, split, str(r)) for split, r, end in regions)
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and b[1] < a[2] and a[3] != b[3]:
-            raise InputError(
-                f"splits overlap: {a[3]} {a[4]} and {b[3]} {b[4]} share bases "
-                "(held-out data must not be trained on)"
-            )
+    reach: dict[str, tuple[int, str]] = {}  # split -> (end, region) reaching furthest
+    record = None
+    for name, start, end, split, text in spans:
+        if name != record:
+            record, reach = name, {}
+        if end <= start:  # an empty region shares no bases
+            continue
+        for other, (other_end, other_text) in reach.items():
+            if other != split and start < other_end:
+                return (other, other_text), (split, text)
+        if end > reach.get(split, (-1, ""))[0]:
+            reach[split] = (end, text)
+    return None
+
+
+def _check_overlaps(regions: list[tuple[str, Region, int]]) -> None:
+    pair = first_overlap(regions)
+    if pair is not None:
+        (a, ra), (b, rb) = pair
+        raise InputError(f"splits overlap: {a} {ra} and {b} {rb} share bases "
+                         "(held-out data must not be trained on)")
+
+
+def resolve_splits(store: TokenStore, splits: dict[str, list[str]]) -> list[tuple[str, Region, int]]:
+    """``(split, region, end)`` for every region of ``splits`` (split name -> region specs), each
+    checked to lie within its record; ``end`` is the region's end in bases."""
+    resolved: list[tuple[str, Region, int]] = []
+    for split, specs in splits.items():
+        for spec in specs:
+            region = parse_region(spec, store.names, str(store.path))
+            size = store.length(region.name)
+            end = size if region.end is None else region.end
+            if end > size:
+                raise InputError(f"region {spec!r} ends at {end:,}, past the record's end ({size:,})",
+                                 store.path, region.name)
+            resolved.append((split, region, end))
+    return resolved
 
 
 def make_windows(
@@ -122,16 +159,7 @@ def make_windows(
     if not splits:
         raise InputError("no {splits} given (e.g. train=chr01,chr02 and eval=chr22)", options=("splits",))
 
-    resolved: list[tuple[str, Region, int]] = []
-    for split, specs in splits.items():
-        for spec in specs:
-            region = parse_region(spec, store.names, str(store.path))
-            size = store.length(region.name)
-            end = size if region.end is None else region.end
-            if end > size:
-                raise InputError(f"region {spec!r} ends at {end:,}, past the record's end ({size:,})",
-                                 store.path, region.name)
-            resolved.append((split, region, end))
+    resolved = resolve_splits(store, splits)
     _check_overlaps(resolved)
 
     windows: list[Window] = []

@@ -31,6 +31,15 @@ def check_edges(edges) -> list[int]:
     return edges
 
 
+def cover_edges(edges, length: int) -> list[int]:
+    """``edges`` (checked) with one more bin, ``[edges[-1], length)``, when they stop short of a
+    window of ``length`` bases: every scored base then falls in a bin, so the overall row covers
+    them all, and the bins asked for stay as they were. ``[0, 100, 1000]`` for 20,000 ->
+    ``[0, 100, 1000, 20000]``."""
+    edges = check_edges(edges)
+    return edges + [int(length)] if edges[-1] < length else edges
+
+
 @dataclass
 class BinAccumulator:
     """Running sums ``[n_windows, n_bins, 2 (unique, repeat)]`` of NLL and of scored bases."""
@@ -46,13 +55,18 @@ class BinAccumulator:
                    context: np.ndarray | None = None) -> None:
         """One window: ``nll``, ``scored`` (bool), ``repeat`` (bool), all ``[n]``.
 
-        ``context`` (prior-context length per position) defaults to ``0..n-1``.
+        ``context`` (prior-context length per position) defaults to ``0..n-1``; a scored
+        position past the last edge is a ValueError (the edges must cover the window).
         """
         n = len(nll)
         context = np.arange(n) if context is None else np.asarray(context)
         nbins = len(self.edges) - 1
         b = np.searchsorted(self.edges, context, side="right") - 1
-        keep = np.asarray(scored, bool) & (b >= 0) & (b < nbins)
+        scored = np.asarray(scored, bool)
+        if (scored & (b >= nbins)).any():  # dropped, they would vanish from the overall row too
+            raise ValueError(f"a scored base has {int(context[scored].max())} bases of context, "
+                             f"past the last bin edge {self.edges[-1]} (see cover_edges)")
+        keep = scored & (b >= 0)
         slot = b[keep] * 2 + np.asarray(repeat, bool)[keep]
         nats = np.bincount(slot, weights=np.asarray(nll, np.float64)[keep], minlength=2 * nbins)
         count = np.bincount(slot, minlength=2 * nbins)

@@ -16,6 +16,16 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+def check_controls(controls) -> list[int]:
+    """The truncation controls' context limits: positive integers (a limit of 0 leaves no
+    context to score with), else an InputError naming ``{controls}``."""
+    for c in controls:
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise InputError(f"{{controls}} must be positive context lengths, got {c}",
+                             options=("controls",))
+    return list(controls)
+
+
 @dataclass
 class EvalConfig:
     """Options of an evaluation (defaults are those of ``megabase run`` and ``megabase evaluate``)."""
@@ -28,7 +38,8 @@ class EvalConfig:
     length: int | None = field(default=None, metadata=_help(
         "window length; empty: the checkpoint's"))
     edges: list[int] | None = field(default=None, metadata=_help(
-        "context bin edges, e.g. 0,1000,4000,16000,65536; empty: powers of 4 up to the window"))
+        "context bin edges, e.g. 0,1000,4000,16000,65536 (stopping short of the window: one more "
+        "bin up to its length); empty: powers of 4 up to the window"))
     controls: list[int] = field(default_factory=lambda: [1000], metadata=_help(
         "context limits of the truncation control"))
     probe: bool = field(default=True, metadata=_help("the in-context recall probe"))
@@ -77,10 +88,7 @@ class EvalConfig:
             except (TypeError, ValueError):
                 raise InputError(f"{{edges}} must be integers that start at 0 and increase "
                                  f"strictly, got {list(self.edges)[:12]}", options=("edges",)) from None
-        for c in self.controls:
-            if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-                raise InputError(f"{{controls}} must be positive context lengths, got {c}",
-                                 options=("controls",))
+        check_controls(self.controls)
         for k in self.baselines:
             if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_ORDER:
                 raise InputError(f"{{baselines}} must be Markov orders 0..{MAX_ORDER}, got {k}",

@@ -9,18 +9,20 @@ from pathlib import Path
 import numpy as np
 
 from megabase.data import InputError, TokenStore, make_windows, read_bed
-from megabase.data.names import parse_region
+from megabase.data.names import Region, parse_region
+from megabase.data.windows import first_overlap, resolve_splits
 
-from .bins import check_edges, default_edges, gain_beyond, paired_gain, whole
-from .config import EvalConfig
+from .bins import cover_edges, default_edges, gain_beyond, paired_gain, whole
+from .config import EvalConfig, check_controls
 from .copymodel import CopyModel, CopySpec
 from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
 from .rebalance import rebalance_moe
-from .report import accumulate, score_series, write_report
+from .report import accumulate, score_series, windows_sha256, write_report
 from .score import ModelScorer, markov_scorer, truncated
 from .tracking import (
-    DEFAULT_EXPERIMENT, abandon_run, log_report, open_run, resolve_tracking_uri, retry_locked,
+    DEFAULT_EXPERIMENT, abandon_run, given_tracking_uri, log_report, open_run,
+    resolve_tracking_uri, retry_locked,
 )
 
 
@@ -40,6 +42,24 @@ def region_tokens(store: TokenStore, specs: list[str]) -> list[np.ndarray]:
         region = parse_region(spec, store.names, str(store.path))
         out.append(np.array(store.tokens(region.name)[region.start : region.end]))
     return out
+
+
+def check_apart(store: TokenStore, train: list[str], scored: list[str], wins=()) -> None:
+    """Refuse ``train`` regions (what the baselines and the copy model are fitted on) that share
+    bases with the ``scored`` regions or windows ``wins``: fitted on the bases they score, they
+    report too few bits/base (an order-8 Markov chain: 1.07 instead of 2.10), and the model looks
+    worse beside them. The same check as ``megabase windows`` makes between its splits."""
+    regions = resolve_splits(store, {"train": train, "scored": scored})
+    names: dict[str, str] = {}
+    for w in wins:  # a BED's windows, by the store's name for their record
+        name = names.setdefault(w.chrom, parse_region(w.chrom, store.names, str(store.path)).name)
+        regions.append(("scored", Region(name, w.start, w.end), w.end))
+    pair = first_overlap(regions)
+    if pair is not None:
+        fitted, scoring = sorted(pair, key=lambda p: p[0] != "train")
+        raise InputError(f"{{train}} region {fitted[1]} shares bases with the scored {scoring[1]}: "
+                         "baselines fitted on the bases they score report too few bits/base; "
+                         "fit them on other regions", store.path, options=("train",))
 
 
 def fit_markov(store: TokenStore, order: int, train: list[str]) -> MarkovModel:
@@ -95,19 +115,45 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     gain over it per bin, ``context_gain``), the Markov baselines (fitted on the training regions
     and scored on the same windows; the best in ``best_baseline``), the recall probe. Empty
     ``regions`` / ``train`` are the held-out / training regions the checkpoint's run recorded.
-    ``out``: default ``CHECKPOINT/eval``.
+    ``checkpoint``: a checkpoint folder, or a run folder (its latest checkpoint); held while it is
+    read, so that the rotation of a run training meanwhile keeps it (``held_checkpoint``).
+    ``out``: default :func:`report_folder`, never inside a run's checkpoint (rotation removes
+    those). Baselines and the copy model fitted on bases they score are refused
+    (:func:`check_apart`).
     MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
     (``config.json`` key ``mlflow``) unless ``tracking_uri`` names another store, else to a new
     run of ``experiment`` when one is named or the store is another; ``track=False`` logs nothing.
     """
-    from megabase.model import load_checkpoint, read_checkpoint_config
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.pipeline.checkpointing import held_checkpoint
 
     started = time.perf_counter()
-    checkpoint = resolve_checkpoint(checkpoint)  # a run folder: its latest checkpoint
     o = (options or EvalConfig()).check()
-    out = Path(out) if out else Path(checkpoint) / "eval"
-    check_output(out)
+    with held_checkpoint(checkpoint) as held:
+        out = Path(out) if out else report_folder(held)
+        check_output(out)
+        report, tracking = _evaluate(held, data, o, windows, split, progress, mlflow_run,
+                                     experiment, tracking_uri, track)
+        report["seconds"] = time.perf_counter() - started
+        return _finish(report, out, tracking)
+
+
+def report_folder(checkpoint: Path) -> Path:
+    """Where a checkpoint's report goes by default: ``RUN/eval/step-N`` for a checkpoint of a run
+    (``RUN/checkpoints/step-N``, which the run's rotation will remove, report and all), else
+    ``CHECKPOINT/eval``."""
+    ckpt = Path(checkpoint)
+    if ckpt.parent.name == "checkpoints":
+        return ckpt.parent.parent / "eval" / ckpt.name
+    return ckpt / "eval"
+
+
+def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool,
+              mlflow_run, experiment, tracking_uri, track: bool) -> tuple[dict, dict | None]:
+    """:func:`evaluate`'s scoring of a held ``checkpoint``: ``(report, tracking)``, where
+    ``tracking`` holds :func:`open_run`'s arguments (None: log nothing)."""
+    from megabase.model import load_checkpoint, read_checkpoint_config
+    from megabase.model.checkpoint import weights_sha256
+
     config = read_checkpoint_config(checkpoint)
     recorded = config.get("regions") or {}
     regions = list(o.regions or recorded.get("eval") or [])
@@ -128,7 +174,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     if track:
         recorded_run = config.get("mlflow") or {}
         elsewhere = tracking_uri is not None and recorded_run.get("tracking_uri") is not None and \
-            resolve_tracking_uri(tracking_uri) != recorded_run["tracking_uri"]
+            retry_locked(lambda: resolve_tracking_uri(tracking_uri), tracking_uri,
+                         "nothing was scored yet") != recorded_run["tracking_uri"]
         run = mlflow_run or (None if experiment or elsewhere else recorded_run.get("run_id"))
         if elsewhere and not run:  # another store than the training run's: a new run there
             experiment = experiment or DEFAULT_EXPERIMENT
@@ -138,17 +185,20 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
             tracking = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
                             run_name=f"evaluate {Path(checkpoint).name}")
             if run:  # checked now: a wrong run id fails before minutes of scoring
-                retry_locked(lambda: open_run(**tracking), resolve_tracking_uri(uri),
+                retry_locked(lambda: open_run(**tracking), given_tracking_uri(uri),
                              "nothing was scored yet")
-    model = load_checkpoint(checkpoint, **({"dsa_stage": o.dsa_stage} if o.dsa_stage else {}))
     store = TokenStore(data)
     # a checkpoint saved outside training records no window length: tiles of one segment
     length = o.length or int(config.get("window_length", o.segment))
     wins = eval_windows(store, windows, split, regions, length)
     if not wins:
         raise InputError(f"no windows to evaluate in split {split!r}", data)
+    if baselines or o.copy:
+        check_apart(store, train, regions if windows is None else [],
+                    wins if windows is not None else ())
+    model = load_checkpoint(checkpoint, **({"dsa_stage": o.dsa_stage} if o.dsa_stage else {}))
     longest = max(w.length for w in wins)
-    edges = check_edges(o.edges) if o.edges else default_edges(longest)
+    edges = cover_edges(o.edges, longest) if o.edges else default_edges(longest)
     n_boot, seed = o.bootstrap, o.seed
     scorer = ModelScorer(model, o.segment)
     fit_on = rebalance_windows(store, regions if windows is None else [], o, length)
@@ -164,8 +214,11 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     # a run's checkpoint is named by its run, so that a sweep's reports stay apart in `compare`
     owner = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else "model"
     report = {"name": f"{owner} {ckpt.name}", "checkpoint": str(Path(checkpoint).resolve()),
+              # what export-model matches the report to, wherever the folder is moved
+              "checkpoint_sha256": weights_sha256(checkpoint),
               "data": str(Path(data).resolve()), "split": split, "n_windows": len(wins),
               "window_length": longest, "edges": edges,
+              "windows_sha256": windows_sha256(store, wins),
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
     if rebalanced:
         report["moe_rebalance"] = {
@@ -201,9 +254,9 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
         held_out = np.concatenate(region_tokens(store, regions))
         distances = list(o.probe_distances) or probe_distances(longest, 200)
         report["probe"] = recall_probe(scorer, held_out, distances, n_per_distance=o.probe_windows,
-                                       seed=seed, n_boot=n_boot, pairs=o.probe_pairs)
-    report["seconds"] = time.perf_counter() - started
-    return _finish(report, out, tracking)
+                                       seed=seed, n_boot=n_boot, pairs=o.probe_pairs,
+                                       progress=progress)
+    return report, tracking
 
 
 def rebalance_windows(store: TokenStore, scored: list[str], o: EvalConfig,
@@ -258,22 +311,37 @@ def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
 def log_saved_report(report: dict, out: Path, tracking: dict) -> dict:
     """Log a report written in ``out`` to MLflow (``tracking``: :func:`open_run` arguments), then
     record the run in its ``report.json``; waits a while for a locked store (retry_locked)."""
-    uri = resolve_tracking_uri(tracking.get("tracking_uri"))
+    given = given_tracking_uri(tracking.get("tracking_uri"))
     where = "--mlflow-run " + tracking["run_id"] if tracking.get("run_id") else \
         "--experiment " + str(tracking.get("experiment", DEFAULT_EXPERIMENT))
-    kept = (f"the report is in {out}; log it later with `megabase log {out} --tracking-uri {uri} "
-            f"{where}`")
-    target = retry_locked(lambda: open_run(**{**tracking, "tracking_uri": uri}), uri, kept)
+
+    def kept(uri: str) -> str:
+        return f"the report is in {out}; log it later with `megabase log {out} --tracking-uri " \
+            f"{uri} {where}`"
+
+    # making a new store writes it: a full disk fails here already
+    uri = retry_locked(lambda: resolve_tracking_uri(given), given, kept(given))
+    target = retry_locked(lambda: open_run(**{**tracking, "tracking_uri": uri}), uri, kept(uri))
     report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
     try:
         files = write_report(report, out)
-        retry_locked(lambda: log_report(report, files, target), uri, kept)
+        retry_locked(lambda: log_report(report, files, target), uri, kept(uri))
     except BaseException:
         abandon_run(target)
         report.pop("mlflow")
         write_report(report, out)  # no run named that holds nothing
         raise
     return report
+
+
+def scored_windows(store: TokenStore, train: list[str], eval_regions: list[str], length: int):
+    """A baseline's windows: ``eval_regions`` tiled by ``length``, checked apart from ``train``
+    (:func:`check_apart`) and not empty."""
+    check_apart(store, train, eval_regions)
+    wins = eval_windows(store, None, "eval", eval_regions, length)
+    if not wins:
+        raise InputError(f"no windows to score in {', '.join(eval_regions)}", store.path)
+    return wins
 
 
 def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions: list[str],
@@ -290,12 +358,12 @@ def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions
         tracking = dict(tracking_uri=tracking_uri, experiment=experiment,
                         run_name=f"markov order {order}", kind="baseline")
     store = TokenStore(data)
-    wins = eval_windows(store, None, "eval", eval_regions, length)
-    edges = check_edges(edges) if edges else default_edges(max(w.length for w in wins))
+    wins = scored_windows(store, train, eval_regions, length)
+    edges = cover_edges(edges, length) if edges else default_edges(max(w.length for w in wins))
     scorer = markov_scorer(fit_markov(store, order, train))
     report = {"name": f"markov order {order}", "data": str(Path(data).resolve()),
               "train": train, "eval": eval_regions, "n_windows": len(wins),
-              "window_length": length, "edges": edges,
+              "window_length": length, "edges": edges, "windows_sha256": windows_sha256(store, wins),
               **score_series(scorer, store, wins, edges, n_boot, seed, progress, f"markov {order}")}
     report["seconds"] = time.perf_counter() - started
     return _finish(report, Path(out), tracking)
@@ -311,19 +379,19 @@ def copy_baseline(data: str | Path, train: list[str], eval_regions: list[str], o
     controls are the reference's own). With ``experiment``, also logged to a new MLflow run."""
     started = time.perf_counter()
     spec = (spec or CopySpec()).check()
+    controls = check_controls(controls)
     tracking = None
     if experiment:
         tracking = dict(tracking_uri=tracking_uri, experiment=experiment, run_name="copy model",
                         kind="baseline")
     store = TokenStore(data)
-    wins = eval_windows(store, None, "eval", eval_regions, length)
-    if not wins:
-        raise InputError(f"no windows to score in {', '.join(eval_regions)}", data)
+    wins = scored_windows(store, train, eval_regions, length)
     longest = max(w.length for w in wins)
-    edges = check_edges(edges) if edges else default_edges(longest)
+    edges = cover_edges(edges, longest) if edges else default_edges(longest)
     entry, _, _ = copy_reference(store, spec, train, wins, edges,
                                  [c for c in controls if c < longest], n_boot, seed, progress)
     report = {**entry, "data": str(Path(data).resolve()), "train": train, "eval": eval_regions,
-              "n_windows": len(wins), "window_length": longest, "edges": edges}
+              "n_windows": len(wins), "window_length": longest, "edges": edges,
+              "windows_sha256": windows_sha256(store, wins)}
     report["seconds"] = time.perf_counter() - started
     return _finish(report, Path(out), tracking)

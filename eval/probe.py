@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from megabase.data.progress import Progress
 from megabase.data.vocab import N_BASES
 
 from .bins import LN2
@@ -101,22 +102,28 @@ def _score(scorer, window: np.ndarray, d: int, m: int, offsets: list[int]):
 
 def recall_probe(scorer, tokens: np.ndarray, distances: list[int], copy_len: int = 200,
                  n_per_distance: int = 32, seed: int = 0, n_boot: int = 1000,
-                 pairs: int = 1) -> list[dict]:
+                 pairs: int = 1, progress: bool = False) -> list[dict]:
     """Per distance ``d``: bits/base on the first and the second copy, the second's 95% bootstrap
     CI over copies and the gain's (first minus second), and ``dsa_hit_rate`` per DSA layer (None
     where a layer ran dense or for a scorer that is not a model) beside ``chance_hit_rate``, what
     a selection blind to content would reach (``topk`` of the ``i + 1`` keys of query ``i``).
-    ``n_per_distance`` windows, each with up to ``pairs`` copies (:func:`recall_windows`)."""
+    ``n_per_distance`` windows, each with up to ``pairs`` copies (:func:`recall_windows`).
+    ``progress``: windows scored, as :mod:`megabase.data.progress` shows them (at most
+    ``n_per_distance`` per distance: a distance too long for ``tokens`` has none)."""
     rows: dict[int, list] = {}
     windows: dict[int, int] = {}
-    for d, window, m, offsets in recall_windows(tokens, distances, copy_len, n_per_distance, seed,
-                                                pairs=pairs):
-        windows[d] = windows.get(d, 0) + 1
-        nll, hits, chance = _score(scorer, window, d, m, offsets)
-        for i, o in enumerate(offsets):
-            rows.setdefault(d, []).append((np.nansum(nll[o : o + m]), np.nansum(nll[o + d : o + d + m]),
-                                           m, None if hits is None else hits[i],
-                                           None if chance is None else chance[i]))
+    with Progress(len(distances) * n_per_distance, "recall probe", unit="window",
+                  enabled=progress) as bar:
+        for d, window, m, offsets in recall_windows(tokens, distances, copy_len, n_per_distance,
+                                                    seed, pairs=pairs):
+            windows[d] = windows.get(d, 0) + 1
+            nll, hits, chance = _score(scorer, window, d, m, offsets)
+            for i, o in enumerate(offsets):
+                rows.setdefault(d, []).append((np.nansum(nll[o : o + m]),
+                                               np.nansum(nll[o + d : o + d + m]), m,
+                                               None if hits is None else hits[i],
+                                               None if chance is None else chance[i]))
+            bar.update(1, bases=len(window))
     rng = np.random.default_rng(seed)
     out = []
     for d in sorted(rows):

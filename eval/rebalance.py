@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
+
+from megabase.data.progress import Progress
 
 from .score import ModelScorer
 
@@ -50,14 +51,13 @@ def rebalance_moe(scorer: ModelScorer, windows: Sequence[np.ndarray], rounds: in
         return {"rounds": 0, "rate": rate, "bases": 0, "max_over_mean": [], "bias_shift": []}
     start = [m.bias.clone() for m in layers]
     history = []
-    bar = tqdm(total=(rounds + 1) * len(windows), desc="rebalance MoE", unit="window",
-               disable=not progress, leave=False)
+    bar = Progress((rounds + 1) * len(windows), "rebalance MoE", unit="window", enabled=progress)
     kept, kept_biases = 0, start
     for r in range(rounds + 1):
         with scorer.counting_load(margins=True) as stats:
             for tokens in windows:
                 scorer(tokens)
-                bar.update()
+                bar.update(1, bases=len(tokens))
         history.append(_ratios(stats[..., 0]))
         if max(history[-1]) < max(history[kept]):
             kept, kept_biases = r, [m.bias.clone() for m in layers]

@@ -1,10 +1,11 @@
 """Evaluation reports: bins per series (model, controls, baselines) -> report.json, report.csv, PNG.
 
 ``report.json`` holds ``bins`` (a list of objects with ``context_lo, context_hi, n_tokens,
-nats_per_base, bits_per_base, perplexity, unique, repeat, bits_per_base_ci``), ``overall`` with the
-same fields, and beside them ``controls``, ``probe``, ``baselines``, ``copy_reference`` (the copy
-model's curve, its own controls and gains over them), ``context_worth`` (per control: what context
-beyond its limit gives the model and the copy model) and the published ``anchors``.
+nats_per_base, bits_per_base, perplexity, unique, repeat, bits_per_base_ci``; the bins cover every
+scored base), ``overall`` with the same fields, ``windows_sha256`` (which windows were scored),
+and beside them ``controls``, ``probe``, ``baselines``, ``copy_reference`` (the copy model's
+curve, its own controls and gains over them), ``context_worth`` (per control: what context beyond
+its limit gives the model and the copy model) and the published ``anchors``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from megabase.data.atomic import write_atomic
+from megabase.data.errors import InputError
+from megabase.data.progress import Progress
 
 from .bins import BinAccumulator
 
@@ -36,17 +39,30 @@ def score_series(scorer, store, windows, edges, n_boot: int = 1000, seed: int = 
 
 def accumulate(scorer, store, windows, edges, progress: bool = True,
                desc: str = "scoring") -> BinAccumulator:
-    """Score every window with ``scorer``: the per-window sums of each bin."""
-    from tqdm import tqdm
-
+    """Score every window with ``scorer``: the per-window sums of each bin. ``progress``: a bar on
+    a terminal, else a log line every half minute (:mod:`megabase.data.progress`)."""
     acc = BinAccumulator(list(edges))
-    for w in tqdm(windows, desc=desc, unit="window", disable=None if progress else True,
-                  leave=False):
-        tokens, mask = store.fetch(w.chrom, w.start, w.end)
-        nll = scorer(tokens)
-        scored = ~np.isnan(nll)
-        acc.add_window(np.nan_to_num(nll), scored, mask)
+    with Progress(len(windows), desc, unit="window", enabled=progress) as bar:
+        for w in windows:
+            tokens, mask = store.fetch(w.chrom, w.start, w.end)
+            nll = scorer(tokens)
+            scored = ~np.isnan(nll)
+            acc.add_window(np.nan_to_num(nll), scored, mask)
+            bar.update(1, bases=w.length)
     return acc
+
+
+def windows_sha256(store, windows) -> str:
+    """A digest of the windows a report scored (each one's record, by the sha256 of its tokens
+    in ``store``, and its ``start end``, in order), so that `compare` can tell two reports of the
+    same bases from two of as many different ones."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for w in windows:
+        record = store.records[store.resolve(w.chrom)]
+        digest.update(f"{record.get('tokens_sha256', w.chrom)}\t{w.start}\t{w.end}\n".encode())
+    return digest.hexdigest()
 
 
 def series(report: dict) -> dict[str, dict]:
@@ -133,3 +149,40 @@ def write_report(report: dict, out: str | Path) -> dict[str, Path]:
     write_atomic(paths["csv"], to_csv(report).encode())
     plot(report, paths["png"])
     return paths
+
+
+BIN_FIELDS = ("context_lo", "context_hi", "n_tokens", "bits_per_base")
+
+
+def check_report(report, source: str) -> None:
+    """The fields `compare` and the notebooks read, with their types; an InputError names the
+    first that is missing or wrong (a half-written or hand-edited report)."""
+    if not isinstance(report, dict) or not isinstance(report.get("bins"), list) \
+            or not isinstance(report.get("overall"), dict):
+        raise InputError("not a megabase report (no 'bins' list and 'overall' table)", source)
+    for i, b in enumerate([*report["bins"], report["overall"]]):
+        where = f"bins[{i}]" if i < len(report["bins"]) else "overall"
+        for key in BIN_FIELDS[2:] if where == "overall" else BIN_FIELDS:
+            value = b.get(key) if isinstance(b, dict) else None
+            if key != "bits_per_base" and not isinstance(value, int) or \
+                    key == "bits_per_base" and value is not None and not isinstance(value, (int, float)):
+                raise InputError(f"not a complete megabase report: {where}.{key} is "
+                                 f"{'missing' if value is None else repr(value)[:40]}", source)
+
+
+def check_loggable(report, source: str) -> None:
+    """:func:`check_report`, then everything logging reads (the metrics, the table of every
+    series, the CSV), built once before any run is made: an InputError says what is missing or
+    malformed in a hand-edited or half-written report, instead of a traceback half-way through."""
+    from .tracking import report_metrics, report_table
+
+    check_report(report, source)
+    try:
+        report_metrics(report)
+        report_table(report)
+        to_csv(report)
+    except KeyError as exc:
+        raise InputError(f"not a complete megabase report: no {exc.args[0]!r} field where "
+                         "logging needs one", source) from None
+    except (TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise InputError(f"not a complete megabase report: {str(exc)[:120]}", source) from None

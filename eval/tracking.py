@@ -31,18 +31,27 @@ from pathlib import Path
 
 from megabase.data.errors import InputError
 
+from .report import check_report
+
 DEFAULT_TRACKING_URI = "sqlite:///work/mlflow.db"
 DEFAULT_EXPERIMENT = "megabase"
 TABLE = "eval/bins.json"
 REPORT = "eval/report.json"
 
 
+def given_tracking_uri(uri: str | None = None) -> str:
+    """``uri``, else ``$MLFLOW_TRACKING_URI``, else :data:`DEFAULT_TRACKING_URI`, as written
+    (what a message names before :func:`resolve_tracking_uri` has opened the store)."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
 def resolve_tracking_uri(uri: str | None = None) -> str:
     """``uri``, else ``$MLFLOW_TRACKING_URI``, else :data:`DEFAULT_TRACKING_URI`; SQLite paths absolute.
 
-    Refuses file stores (``file:``, ``./mlruns``) with the fix in the message.
+    Refuses file stores (``file:``, ``./mlruns``) with the fix in the message. A SQLite store
+    that does not exist yet is created (written) here.
     """
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    uri = given_tracking_uri(uri)
     if "://" not in uri:
         if not uri.endswith(".db"):
             raise InputError(f"tracking URI {uri!r} is a file store, which MLflow >= 3.13 refuses; "
@@ -91,29 +100,58 @@ def quiet_libraries() -> None:
 
     for name in ("mlflow", "alembic", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # it logs every database error it then raises; the raise becomes the command's one line
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 LOCK_WAIT_S = 120.0  # how long a command waits for a locked store ($MEGABASE_TRACKING_WAIT_S)
 
 
-class TrackingLockedError(RuntimeError):
+class TrackingStoreError(RuntimeError):
+    """The tracking store failed for a reason of the machine it is on (:data:`STORE_FAILURES`: a
+    full disk, a file-size limit, I/O errors, read-only storage); what was computed is on disk,
+    and the message names the store, the reason and how to log it later. Exit status 3."""
+
+
+class TrackingLockedError(TrackingStoreError):
     """The SQLite tracking store stayed locked by another process past the wait; what was
     computed is on disk, and the message says how to log it later."""
 
 
+# SQLite's messages for a store that cannot be written (sqlite3.OperationalError, reaching us
+# wrapped by SQLAlchemy and MLflow): ENOSPC, EFBIG under `ulimit -f`, EIO, a read-only file
+STORE_FAILURES = ("database or disk is full", "disk I/O error", "readonly database",
+                  "unable to open database file")
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def is_locked(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is SQLite's "database is locked"."""
-    while exc is not None:
-        if "database is locked" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any("database is locked" in str(e) for e in _chain(exc))
+
+
+def store_failure(exc: BaseException) -> str | None:
+    """Which of :data:`STORE_FAILURES` ``exc`` (or what caused it) is, or None."""
+    for e in _chain(exc):
+        found = next((f for f in STORE_FAILURES if f in str(e)), None)
+        if found:
+            return found
+    return None
 
 
 def retry_locked(call, uri: str, kept: str, wait_s: float | None = None):
     """``call()``, tried again while the store at ``uri`` is locked by another process (each try
     already waits SQLite's busy timeout), for up to ``wait_s`` seconds in all (default
-    :data:`LOCK_WAIT_S`); then :class:`TrackingLockedError` saying what is ``kept`` on disk."""
+    :data:`LOCK_WAIT_S`); then :class:`TrackingLockedError` saying what is ``kept`` on disk. A
+    store that cannot be written (:func:`store_failure`) is a :class:`TrackingStoreError` at
+    once, saying the same."""
     import time
 
     wait_s = float(os.environ.get("MEGABASE_TRACKING_WAIT_S", LOCK_WAIT_S)) if wait_s is None \
@@ -123,6 +161,10 @@ def retry_locked(call, uri: str, kept: str, wait_s: float | None = None):
         try:
             return call()
         except Exception as exc:
+            reason = store_failure(exc)
+            if reason:
+                raise TrackingStoreError(f"{uri}: the MLflow store cannot be written ({reason}); "
+                                         f"{kept}") from None
             if not is_locked(exc):
                 raise
             if time.monotonic() >= deadline:
@@ -255,7 +297,9 @@ def open_run(tracking_uri: str | None = None, run_id: str | None = None,
     if run_id:
         try:
             run = client.get_run(run_id)
-        except Exception:
+        except Exception as exc:
+            if is_locked(exc) or store_failure(exc):  # the store's trouble, not the run id's
+                raise
             raise InputError(f"MLflow run {run_id!r} not found in {uri}") from None
         return {"tracking_uri": uri, "run_id": run_id, "experiment_id": run.info.experiment_id,
                 "created": False}
@@ -306,25 +350,6 @@ def _now_ms() -> int:
     import time
 
     return int(time.time() * 1000)
-
-
-BIN_FIELDS = ("context_lo", "context_hi", "n_tokens", "bits_per_base")
-
-
-def check_report(report, source: str) -> None:
-    """The fields `compare` and the notebooks read, with their types; an InputError names the
-    first that is missing or wrong (a half-written or hand-edited report)."""
-    if not isinstance(report, dict) or not isinstance(report.get("bins"), list) \
-            or not isinstance(report.get("overall"), dict):
-        raise InputError("not a megabase report (no 'bins' list and 'overall' table)", source)
-    for i, b in enumerate([*report["bins"], report["overall"]]):
-        where = f"bins[{i}]" if i < len(report["bins"]) else "overall"
-        for key in BIN_FIELDS[2:] if where == "overall" else BIN_FIELDS:
-            value = b.get(key) if isinstance(b, dict) else None
-            if key != "bits_per_base" and not isinstance(value, int) or \
-                    key == "bits_per_base" and value is not None and not isinstance(value, (int, float)):
-                raise InputError(f"not a complete megabase report: {where}.{key} is "
-                                 f"{'missing' if value is None else repr(value)[:40]}", source)
 
 
 def load_report(ref: str, tracking_uri: str | None = None) -> dict:

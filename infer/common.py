@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,42 @@ def check_output_dir(out: Path) -> Path:
     if not os.access(parent, os.W_OK):
         raise InputError("is not writable; choose another {out}", parent, options=("out",))
     return out
+
+
+@contextmanager
+def sole_writer(out: Path | None, command: str, names: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hold the output folder ``out`` for ``megabase <command>`` for the block (None: nothing to
+    hold): one such command writes into a folder at a time, so two runs never leave a mix of
+    their files; a second one is refused at once, in one line naming the first. The lock
+    (``data.locks``, dropped by the kernel however its holder ends) is ``.<command>.lock`` inside
+    ``out``, which is made here (and removed again if the command fails and leaves it empty):
+    ``out`` is where the user may write, its parent need not be. Temporaries of the files
+    ``names`` that a writer killed earlier left in ``out`` are cleared."""
+    if out is None:
+        yield
+        return
+    import glob
+
+    from megabase.data.atomic import remove_stale_temps
+    from megabase.data.locks import holding
+
+    out = Path(out)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    held = False
+    try:
+        with holding(out / command, "this output folder"):
+            held = True
+            for name in names:
+                remove_stale_temps(out, glob.escape(name))
+            yield
+    except BaseException as exc:
+        if made:
+            with suppress(OSError):
+                out.rmdir()  # only when empty: nothing the command wrote, nothing of the user's
+        if isinstance(exc, InputError) and not held:  # the folder given, not the lock's stand-in
+            raise InputError(exc.what, out) from None
+        raise
 
 
 def peak_rss_bytes() -> int:

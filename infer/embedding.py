@@ -15,7 +15,7 @@ from megabase.data import InputError, TokenStore
 from megabase.data.vocab import SEP
 
 from .common import (DEFAULT_SEGMENT, Interval, check_output_dir, load_model, peak_rss_bytes,
-                     resolve_regions)
+                     resolve_regions, sole_writer)
 
 DATASET, ARRAY = "embeddings.dataset", "embeddings.npy"
 
@@ -82,13 +82,13 @@ def _check_dataset_dir(path: Path) -> None:
                          options=("out",))
 
 
-def _write(out: Path, result: EmbedResult) -> dict[str, str]:
+def _write(out: Path, result: EmbedResult, progress: bool = True) -> dict[str, str]:
+    """``embeddings.npy`` and ``embeddings.dataset``, both or neither: the array's temporary is
+    renamed into place only once the dataset is; a write that fails (a full disk) is the
+    OSError naming the file, not the ``datasets`` error wrapped around it. ``progress``: False
+    silences ``datasets``' own bars too."""
     import datasets
 
-    from megabase.data.atomic import building_dir, writing
-
-    with writing(out / ARRAY) as tmp, open(tmp, "wb") as fh:
-        np.save(fh, result.embeddings)
     d = result.embeddings.shape[-1]
     feature = (datasets.Array2D(shape=(None, d), dtype="float32") if result.per_base
                else datasets.Sequence(datasets.Value("float32"), length=d))
@@ -102,11 +102,37 @@ def _write(out: Path, result: EmbedResult) -> dict[str, str]:
             value = result.embeddings[lo:hi] if result.per_base else result.embeddings[i]
             yield {"chrom": w.chrom, "start": w.start, "end": w.end, "row": lo, "embedding": value}
 
-    with tempfile.TemporaryDirectory(prefix=".embed-cache-", dir=out) as cache, \
-            building_dir(out / DATASET) as tmp:
-        ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache)
-        ds.save_to_disk(str(tmp))
+    quiet = not progress and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        _write_pair(out, result, features, rows)
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
     return {"npy": str(out / ARRAY), "dataset": str(out / DATASET)}
+
+
+def _write_pair(out: Path, result: EmbedResult, features, rows) -> None:
+    """:func:`_write`'s two files, the dataset built from ``rows()`` with ``features``."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    from megabase.data.atomic import building_dir, retarget, writing
+
+    with writing(out / ARRAY) as array_tmp:
+        with open(array_tmp, "wb") as fh:
+            np.save(fh, result.embeddings)
+        with tempfile.TemporaryDirectory(prefix=".embed-cache-", dir=out) as cache, \
+                building_dir(out / DATASET) as tmp:
+            try:
+                ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache)
+            except DatasetGenerationError as exc:  # its cache is written first: a full disk
+                cause = exc.__cause__
+                if isinstance(cause, OSError):
+                    raise retarget(cause, out / DATASET) from None
+                raise
+            ds.save_to_disk(str(tmp))
 
 
 def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None = None,
@@ -119,7 +145,7 @@ def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None =
     mean-pooled per window or ``per_base``, each window streamed ``segment`` bases at a time from
     its own start. With ``out`` (a folder) writes ``embeddings.npy`` and ``embeddings.dataset``
     (``datasets.load_from_disk``: columns chrom, start, end, row, embedding)."""
-    from tqdm.auto import tqdm
+    from megabase.data.progress import progress as progress_of
 
     started = time.perf_counter()
     store = TokenStore(data)
@@ -127,24 +153,25 @@ def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None =
     if out is not None:
         out = check_output_dir(Path(out))
         _check_dataset_dir(out / DATASET)
-    model = load_model(checkpoint, dsa_stage)
-    n_layers = len(model.blocks)
-    layer = n_layers if layer is None else layer
-    if not 1 <= layer <= n_layers:
-        raise InputError(f"{{layer}} must be 1..{n_layers} for this model, got {layer}",
-                         options=("layer",))
-    parts = []
-    with tqdm(total=sum(iv.length for iv in intervals), unit="base", unit_scale=True,
-              disable=not progress, desc="embed") as bar:
-        for iv in intervals:
-            tokens = np.asarray(store.tokens(iv.chrom)[iv.start : iv.end])
-            parts.append(embed_tokens(model, tokens, layer, per_base, segment))
-            bar.update(iv.length)
-    sizes = [len(p) if per_base else 1 for p in parts]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    array = np.concatenate(parts) if per_base else np.stack(parts)
-    result = EmbedResult(intervals, array, offsets, layer, per_base)
-    if out is not None:
-        result.files = _write(out, result)
+    with sole_writer(out, "embed", (ARRAY, DATASET)):
+        model = load_model(checkpoint, dsa_stage)
+        n_layers = len(model.blocks)
+        layer = n_layers if layer is None else layer
+        if not 1 <= layer <= n_layers:
+            raise InputError(f"{{layer}} must be 1..{n_layers} for this model, got {layer}",
+                             options=("layer",))
+        parts = []
+        with progress_of(sum(iv.length for iv in intervals), "embed", unit="base",
+                         enabled=progress) as bar:
+            for iv in intervals:
+                tokens = np.asarray(store.tokens(iv.chrom)[iv.start : iv.end])
+                parts.append(embed_tokens(model, tokens, layer, per_base, segment))
+                bar.update(iv.length)
+        sizes = [len(p) if per_base else 1 for p in parts]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        array = np.concatenate(parts) if per_base else np.stack(parts)
+        result = EmbedResult(intervals, array, offsets, layer, per_base)
+        if out is not None:
+            result.files = _write(out, result, progress)
     result.seconds, result.peak_rss = time.perf_counter() - started, peak_rss_bytes()
     return result

@@ -1,7 +1,13 @@
-"""``megabase score``: per-base surprisal (and entropy) of regions, as arrays, bedGraph and bigWig."""
+"""``megabase score``: per-base surprisal (and entropy) of regions, as arrays, bedGraph and bigWig.
+
+An output folder holds the tracks of one score run and ``score.json``, which says what they are
+(checkpoint, store, regions, options, files): a run replaces every track an earlier run left there,
+never a mix of two runs, and only one runs on a folder at a time (:func:`.common.sole_writer`).
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,8 +19,13 @@ from megabase.data import TokenStore
 from megabase.data.vocab import N_BASES, SEP
 
 from .common import (DEFAULT_SEGMENT, LN2, Interval, check_output_dir, load_model, peak_rss_bytes,
-                     resolve_regions, tokens_of)
+                     resolve_regions, sole_writer, tokens_of)
 from .tracks import check_disjoint, require_pybigwig, write_bedgraph, write_bigwig
+
+
+MANIFEST = "score.json"
+# every track file a score run may write: the ones a run does not write are an earlier run's
+TRACK_FILES = ("surprisal.bedgraph", "surprisal.bw", "entropy.bedgraph", "entropy.bw")
 
 
 @dataclass
@@ -77,11 +88,15 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
     record before it as context, not scored) and streamed ``segment`` bases at a time, so memory is
     bounded by the segment plus the DSA layers' key caches (a few hundred bytes a base), not by the
     region. With ``out`` (a folder) writes ``surprisal.bedgraph`` / ``surprisal.bw`` (and
-    ``entropy.*``), one value per base, bases that are not A/C/G/T left out.
+    ``entropy.*``), one value per base, bases that are not A/C/G/T left out, and ``score.json``
+    (what was scored, how, and the files); track files of an earlier run that this one does not
+    write are removed (see the module's docs), other files are left alone.
     """
-    from tqdm.auto import tqdm
+    from megabase.data.progress import progress as progress_of
 
     from megabase.data import InputError
+    from megabase.model.checkpoint import weights_sha256
+    from megabase.pipeline.checkpointing import resolve_checkpoint
 
     if segment < 1 or context < 0:
         raise InputError("{segment} must be positive and {context} at least 0",
@@ -98,23 +113,56 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
         check_disjoint(intervals)
         if "bigwig" in formats:
             require_pybigwig()
-    model = load_model(checkpoint, dsa_stage)
-    pieces = [(iv, *tokens_of(store, iv, context)) for iv in intervals]
-    tracks = []
-    with tqdm(total=sum(len(t) for _, t, _ in pieces), unit="base", unit_scale=True,
-              disable=not progress, desc="score") as bar:
-        for iv, tokens, skip in pieces:
-            bits, ent = score_tokens(model, tokens, skip, segment, entropy, bar.update)
-            tracks.append(Track(iv, bits, ent))
-    files = {}
-    if out is not None:
-        sizes = {name: store.length(name) for name in store.names}
-        for key in ("bits", "entropy") if entropy else ("bits",):
-            stem = "surprisal" if key == "bits" else "entropy"
+    with sole_writer(out, "score", (*TRACK_FILES, MANIFEST)):
+        ckpt = resolve_checkpoint(checkpoint)
+        model = load_model(ckpt, dsa_stage)
+        pieces = [(iv, *tokens_of(store, iv, context)) for iv in intervals]
+        tracks = []
+        with progress_of(sum(len(t) for _, t, _ in pieces), "score", unit="base",
+                         enabled=progress) as bar:
+            for iv, tokens, skip in pieces:
+                bits, ent = score_tokens(model, tokens, skip, segment, entropy, bar.update)
+                tracks.append(Track(iv, bits, ent))
+        files = {}
+        if out is not None:
+            run = {"checkpoint": str(Path(ckpt).resolve()),
+                   "checkpoint_sha256": weights_sha256(ckpt),
+                   "data": str(store.path.resolve()), "regions": [iv.spec for iv in intervals],
+                   "context": context, "entropy": entropy, "formats": list(formats),
+                   "dsa_stage": dsa_stage or model.cfg.dsa_stage}
+            files = _write_tracks(out, store, tracks, entropy, formats, run)
+    return ScoreResult(tracks, files, time.perf_counter() - started, peak_rss_bytes())
+
+
+def _write_tracks(out: Path, store: TokenStore, tracks: list[Track], entropy: bool,
+                  formats: tuple[str, ...], run: dict) -> dict[str, str]:
+    """Write this run's tracks and ``score.json`` (``run`` plus the files) into ``out``; returns
+    file name -> path. Every file is written to a temporary sibling first, so a failure (a full
+    disk) leaves ``out`` as it was, naming the file it could not write; then the earlier
+    manifest and the track files this run does not write go (an earlier run's: left, they would
+    sit beside this run's as if from it), the tracks are renamed into place and the manifest
+    last, so a folder with a manifest holds exactly that run's tracks."""
+    from contextlib import ExitStack
+
+    from megabase.data.atomic import writing
+
+    sizes = {name: store.length(name) for name in store.names}
+    stems = {"surprisal": "bits", **({"entropy": "entropy"} if entropy else {})}
+    ext = {"bedgraph": "bedgraph", "bigwig": "bw"}
+    written = sorted({f"{stem}.{ext[fmt]}" for stem in stems for fmt in formats})
+    with ExitStack() as renames:  # on leaving, last entered first: the manifest is renamed last
+        manifest_tmp = renames.enter_context(writing(out / MANIFEST))
+        tmp = {name: renames.enter_context(writing(out / name)) for name in written}
+        for stem, key in stems.items():
             values = [(t.region, getattr(t, key)) for t in tracks]
             if "bedgraph" in formats:
-                files[f"{stem}.bedgraph"] = str(write_bedgraph(out / f"{stem}.bedgraph", values,
-                                                               name=f"megabase {stem}"))
+                write_bedgraph(tmp[f"{stem}.bedgraph"], values, name=f"megabase {stem}")
             if "bigwig" in formats:
-                files[f"{stem}.bw"] = str(write_bigwig(out / f"{stem}.bw", values, sizes))
-    return ScoreResult(tracks, files, time.perf_counter() - started, peak_rss_bytes())
+                write_bigwig(tmp[f"{stem}.bw"], values, sizes)
+        manifest = {"command": "megabase score", **run,
+                    "files": {name: tmp[name].stat().st_size for name in written}}
+        manifest_tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        (out / MANIFEST).unlink(missing_ok=True)
+        for name in set(TRACK_FILES) - set(written):
+            (out / name).unlink(missing_ok=True)
+    return {**{name: str(out / name) for name in written}, MANIFEST: str(out / MANIFEST)}

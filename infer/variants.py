@@ -30,7 +30,7 @@ from megabase.data import InputError, TokenStore
 from megabase.data.names import resolve_name
 from megabase.data.vocab import N_BASES, RC_LUT, SEP, tokenize
 
-from .common import check_output_dir, load_model, peak_rss_bytes
+from .common import check_output_dir, load_model, peak_rss_bytes, sole_writer
 
 if TYPE_CHECKING:
     import pysam
@@ -267,7 +267,7 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
     """Score every allele of ``vcf`` against the store ``data`` (see the module). With ``out`` (a
     folder) writes ``variants.tsv`` and ``variants.vcf.gz`` (INFO ``MB_LLR``, one value per ALT).
     ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record."""
-    from tqdm.auto import tqdm
+    from megabase.data.progress import progress as progress_of
 
     if window < 16:
         raise InputError("{window} must be at least 16 bases", options=("window",))
@@ -278,26 +278,28 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
     variants, source = _read(vcf, store, multiallelic)
     if out is not None:
         out = check_output_dir(Path(out))
-    model = load_model(checkpoint, dsa_stage)
-    tiles: dict[tuple[str, int], list[Variant]] = {}
-    for v in variants:
-        tiles.setdefault((v.chrom, v.pos // window), []).append(v)
-    with tqdm(total=len(variants), unit="variant", disable=not progress, desc="variants") as bar:
-        for (chrom, k), members in tiles.items():
-            lo = k * window
-            hi = max(min(lo + window, store.length(chrom)), *(v.pos + len(v.ref) for v in members))
-            tile = np.asarray(store.tokens(chrom)[lo:hi])
-            edits = [(v.pos - lo, tokenize(v.ref), tokenize(v.alt)) for v in members]
-            for v, d in zip(members, score_tile(model, tile, edits)):
-                v.delta_fwd = d
-            if both_strands:
-                rc = [(len(tile) - p - len(r), _rc(r), _rc(a)) for p, r, a in edits]
-                for v, d in zip(members, score_tile(model, _rc(tile), rc)):
-                    v.delta_rev = d
-            bar.update(len(members))
-    result = VariantResult(variants, len(tiles))
-    if out is not None:
-        result.files = _write(out, source, variants, window, both_strands)
+    with sole_writer(out, "variants", ("variants.tsv", "variants.vcf.gz")):
+        model = load_model(checkpoint, dsa_stage)
+        tiles: dict[tuple[str, int], list[Variant]] = {}
+        for v in variants:
+            tiles.setdefault((v.chrom, v.pos // window), []).append(v)
+        with progress_of(len(variants), "variants", unit="variant", enabled=progress) as bar:
+            for (chrom, k), members in tiles.items():
+                lo = k * window
+                hi = max(min(lo + window, store.length(chrom)),
+                         *(v.pos + len(v.ref) for v in members))
+                tile = np.asarray(store.tokens(chrom)[lo:hi])
+                edits = [(v.pos - lo, tokenize(v.ref), tokenize(v.alt)) for v in members]
+                for v, d in zip(members, score_tile(model, tile, edits)):
+                    v.delta_fwd = d
+                if both_strands:
+                    rc = [(len(tile) - p - len(r), _rc(r), _rc(a)) for p, r, a in edits]
+                    for v, d in zip(members, score_tile(model, _rc(tile), rc)):
+                        v.delta_rev = d
+                bar.update(len(members))
+        result = VariantResult(variants, len(tiles))
+        if out is not None:
+            result.files = _write(out, source, variants, window, both_strands)
     result.seconds, result.peak_rss = time.perf_counter() - started, peak_rss_bytes()
     return result
 

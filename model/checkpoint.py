@@ -3,19 +3,26 @@
 ``config.json`` holds ``{"format", "version", "model": <ModelConfig fields>, "vocab", ...extra}``
 (the model's fields only: kernels and chunk sizes are the loader's choice, ``RUNTIME_FIELDS``);
 ``build_model``-compatible, human-readable, and loading never unpickles anything. ``sha256`` in it
-records every file's digest at write time; loading checks the weights against it. Writes go to a
-temporary sibling directory that is renamed into place, so a crash never leaves a half checkpoint.
-Optimizer and data-loader state, when a trainer saves them, sit beside these two files.
+records every other file's digest at write time, and ``config_sha256`` the digest of the config
+itself (:func:`config_digest`); every loader reads the config through
+:func:`read_checkpoint_config`, which refuses an edited one, and loading checks the weights.
+Writes go to a temporary sibling directory that is renamed into place, so a crash never leaves a
+half checkpoint. Optimizer and data-loader state, when a trainer saves them, sit beside these two
+files.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
 
-from megabase.data.atomic import building_dir, file_sha256
+from megabase.data.atomic import building_dir, file_sha256, naming
 from megabase.data.errors import InputError
 from megabase.data.vocab import vocab_dict
 
@@ -25,6 +32,35 @@ from .lm import HybridLM
 FORMAT = "megabase-checkpoint"
 VERSION = 1
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+CONFIG_SHA256 = "config_sha256"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def config_digest(config: dict) -> str:
+    """sha256 (hex) of a checkpoint config without its ``config_sha256`` field, over a canonical
+    JSON (sorted keys, no spaces) of the config as JSON reads it back, so the digest of the dict
+    written equals the digest of the file read."""
+    fields = {k: v for k, v in json.loads(json.dumps(config)).items() if k != CONFIG_SHA256}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def save_safetensors(state: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file`` of ``state`` to ``path``; a failed write (a full disk, a
+    file-size limit) is the OSError it was, naming ``path``, not safetensors' own error type."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, str(path), metadata=metadata)
+    except SafetensorError as exc:  # "...: I/O error: File too large (os error 27)"
+        code = _OS_ERROR.search(str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number) or errno.errorcode.get(number, str(number)),
+                      str(path)) from None
+    return Path(path)
 
 
 def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None,
@@ -34,18 +70,19 @@ def save_checkpoint(model: HybridLM, path: str | Path, extra: dict | None = None
     ``extra``: more JSON fields for ``config.json`` (run id, step, data manifest...).
     ``files``: more files to place in the directory (e.g. an optimizer state), name -> bytes.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
-    with building_dir(path, mode=0o755) as tmp:
+    with building_dir(path, mode=0o755) as tmp:  # an OSError names path/<file>, not the temporary
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": FORMAT})
+        save_safetensors(state, tmp / WEIGHTS, metadata={"format": FORMAT})
         for name, data in (files or {}).items():
-            (tmp / name).write_bytes(data)
+            with naming(tmp / name):
+                (tmp / name).write_bytes(data)
         config = {"format": FORMAT, "version": VERSION, "model": model.cfg.model_dict(),
                   "vocab": vocab_dict(), **(extra or {}),
                   "sha256": {name: file_sha256(tmp / name) for name in [WEIGHTS, *(files or {})]}}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        config[CONFIG_SHA256] = config_digest(config)
+        with naming(tmp / CONFIG):
+            (tmp / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return path
 
 
@@ -61,7 +98,9 @@ def verify_checkpoint(path: str | Path, names: tuple[str, ...] = (WEIGHTS,)) -> 
 
 
 def read_checkpoint_config(path: str | Path) -> dict:
-    """``config.json`` of a checkpoint, validated; InputError names what is wrong."""
+    """``config.json`` of a checkpoint, validated; InputError names what is wrong. Every loader
+    of a checkpoint (score, embed, generate, variants, evaluate, export-model, rl, train's
+    ``--resume`` and ``init_from``) reads it here, so an edited config is refused everywhere."""
     path = Path(path)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise InputError(f"not a checkpoint: expected {CONFIG} and {WEIGHTS} in it", path)
@@ -69,11 +108,27 @@ def read_checkpoint_config(path: str | Path) -> dict:
         config = json.loads((path / CONFIG).read_text())
     except ValueError as exc:
         raise InputError(f"{CONFIG} is not valid JSON ({exc})", path) from None
-    if config.get("format") != FORMAT or config.get("version") != VERSION:
+    header = [config.get("format"), config.get("version")] if isinstance(config, dict) else []
+    if header != [FORMAT, VERSION]:
         raise InputError(f"{CONFIG} is not a version-{VERSION} megabase checkpoint", path)
+    recorded = config.get(CONFIG_SHA256)
+    # a checkpoint written before configs were checksummed records none and loads unchecked: its
+    # weights are still checked, and refusing it would strand every checkpoint trained before
+    if recorded is not None and recorded != config_digest(config):
+        raise InputError("was changed after the checkpoint was written (its sha256 differs from "
+                         f"the one recorded in it, {CONFIG_SHA256}); the model it describes is not "
+                         "the one trained: restore the file as written", path / CONFIG)
     if config.get("vocab") != vocab_dict():
         raise InputError("checkpoint was trained with a different vocabulary", path)
     return config
+
+
+def weights_sha256(path: str | Path) -> str:
+    """The sha256 of a checkpoint's weights: what identifies it wherever its folder is moved
+    (recorded at write time; computed for a checkpoint from before checksums)."""
+    path = Path(path)
+    recorded = (read_checkpoint_config(path).get("sha256") or {}).get(WEIGHTS)
+    return recorded if isinstance(recorded, str) else file_sha256(path / WEIGHTS)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runtime) -> HybridLM:

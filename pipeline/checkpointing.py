@@ -14,6 +14,8 @@ import io
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -22,6 +24,7 @@ from lightning.fabric.plugins import CheckpointIO
 
 from megabase.data.atomic import remove_stale_temps, write_atomic
 from megabase.data.errors import InputError
+from megabase.data.locks import hold_reading, release_reading, remove_unless_read
 from megabase.model.checkpoint import WEIGHTS, save_checkpoint
 
 from .errors import CheckpointWriteError
@@ -87,6 +90,29 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def held_checkpoint(path: str | Path, tries: int = 5) -> Iterator[Path]:
+    """:func:`resolve_checkpoint` of ``path``, held for the block (``data.locks.hold_reading``)
+    so that the rotation of a run training meanwhile cannot remove it. When rotation removes a
+    run folder's latest checkpoint before it is held, the new latest is taken (up to ``tries``
+    times). A folder that is not there is yielded unheld: reading it gives the error."""
+    fd = None
+    for _ in range(tries):
+        ckpt = resolve_checkpoint(path)
+        if not (ckpt / WEIGHTS).is_file():  # no checkpoint: no hold file in the user's folder
+            break
+        try:
+            fd = hold_reading(ckpt)
+            break
+        except FileNotFoundError:
+            if ckpt == Path(path):  # not a run's latest: no other one to take
+                break
+    try:
+        yield ckpt
+    finally:
+        release_reading(fd)
+
+
 def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
     """The checkpoint ``checkpoints/latest`` names, or None for a run with no checkpoints.
 
@@ -150,8 +176,18 @@ def saved_step(path: Path) -> int:
     return int(trainer_state(path)["global_step"])
 
 
+def rotate_checkpoints(run_dir: Path, step: int, keep: int) -> list[Path]:
+    """Remove the run's complete checkpoints older than ``step`` but the newest ``keep - 1``
+    of them (other files in ``checkpoints/`` stay), except those a reader holds
+    (:func:`held_checkpoint`: ``megabase evaluate``), which a later rotation removes. Returns the
+    ones kept for their readers."""
+    older = [p for p in complete_checkpoints(run_dir) if checkpoint_step(p) < step]
+    return [old for old in older[: -(keep - 1) or None] if not remove_unless_read(old)]
+
+
 class PeriodicCheckpoint(pl.Callback):
-    """Saves every ``every`` optimizer steps and at the end; keeps the newest ``keep``."""
+    """Saves every ``every`` optimizer steps and at the end; keeps the newest ``keep``, and any
+    older one that ``megabase evaluate`` is reading (:func:`held_checkpoint`) until it is done."""
 
     def __init__(self, run_dir: Path, every: int, keep: int = 2):
         self.dir, self.every, self.keep = Path(run_dir) / "checkpoints", every, keep
@@ -172,11 +208,7 @@ class PeriodicCheckpoint(pl.Callback):
         self.written.append(name)
         if trainer.is_global_zero:  # the weights are the same on every rank; rank 0 writes them
             write_atomic(self.dir / LATEST, (name + "\n").encode())
-            # step folders before this one, oldest first (other files in checkpoints/ stay)
-            older = [p for p in complete_checkpoints(self.dir.parent)
-                     if checkpoint_step(p) < trainer.global_step]
-            for old in older[: -(self.keep - 1) or None]:
-                shutil.rmtree(old, ignore_errors=True)
+            rotate_checkpoints(self.dir.parent, trainer.global_step, self.keep)
         trainer.strategy.barrier("megabase.checkpoint")
         return path
 

@@ -48,7 +48,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
 
 
 def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
-    from megabase.eval.evaluate import evaluate
+    from megabase.eval.evaluate import check_apart, evaluate
     from megabase.model import read_checkpoint_config
 
     from .checkpointing import latest_checkpoint, saved_step
@@ -64,6 +64,12 @@ def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
     before = bed.stat().st_mtime_ns if bed.is_file() else None
     bed = ensure_windows(cfg, store)
     stages["windows"] = "skipped (up to date)" if before == bed.stat().st_mtime_ns else "done"
+    if cfg.eval.enabled:  # refused now, not after the training
+        try:
+            check_apart(store, cfg.eval.train or cfg.data.train, cfg.eval.regions or cfg.data.eval)
+        except InputError as exc:
+            key = "eval.train" if cfg.eval.train else "data.train"
+            raise InputError(exc.what.replace("{train}", key), exc.path, exc.record) from None
 
     out = run_dir(cfg)
     ckpt = latest_checkpoint(out, fallback=True)  # `run` resumes on its own

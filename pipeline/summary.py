@@ -227,6 +227,8 @@ def print_compare(table) -> None:
     if gains:
         console.print(f"gain = bits/base of {table.columns[0]!r} minus the column's: positive "
                       "means fewer bits, a better model")
+    for line in table.notes():
+        console.print(f"note: {line}")
 
 
 def _num(x: float, signed: bool = False) -> str:
@@ -251,6 +253,8 @@ def _print_compare_rows(console, table) -> None:
     console.print(out)
     console.print(f"gain = bits/base of {table.columns[0]!r} minus the row's: positive means fewer "
                   "bits, a better model")
+    for line in table.notes():
+        console.print(f"note: {line}")
 
 
 def moe_warning(layer: int, ratio: float, idle: int, step: int) -> str:

@@ -113,6 +113,9 @@ def model_card(cfg, counts: dict, meta: dict, checkpoint: Path, report: dict | N
         "- Tokens: `A C G T N <pad> <sep>` = 0..6; any case and every IUPAC code are accepted "
         "(ambiguity codes and gaps become `N`); a sequence starts with `<sep>`. Logits are over the "
         "four bases (`[B, T, 4]`, indices = the token ids of A/C/G/T).",
+        "- Text is DNA only: the tokenizer adds `<sep>` and `<pad>` itself, and `<sep>`/`<pad>` "
+        "written in the text are refused (not DNA), never read as special tokens. `N` is a base, "
+        "not an unknown token: `decode(ids, skip_special_tokens=True)` keeps every `N`.",
         "- `AutoModelForSequenceClassification` adds a linear head on the mean of the final hidden "
         "states over a sequence's bases; pad on the right.",
         "- Batches of short sequences (fine-tuning, embedding windows): pass "

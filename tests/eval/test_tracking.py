@@ -1,5 +1,7 @@
 """MLflow logging of reports, and `megabase compare` over report files and runs."""
 
+import json
+
 import pytest
 
 from megabase.data.errors import InputError
@@ -167,3 +169,54 @@ def test_two_processes_creating_one_fresh_store(tmp_path):
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(), p.stdout.read().strip(), p.stderr.read()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), [err[-1500:] for _, _, err in results]
+
+
+def test_compare_shows_no_gain_between_reports_of_other_bases(umaydis_store, tmp_path, capsys):
+    """One Markov model scored on two stretches of as many bases (U. maydis has no N): the
+    difference of their bits/base is not a gain, whatever the counts say."""
+    common = ["baseline", "markov", "--data", str(umaydis_store.path), "--order", "2",
+              "--train", "chr01", "--length", "2048", "--bootstrap", "5", "--quiet"]
+    for name, region in (("a", "chr22:1-6,144"), ("b", "chr22:6,145-12,288"),
+                         ("c", "chr22:1-8,192")):
+        assert main([*common, "--eval", region, "--out", str(tmp_path / name)]) == 0
+    old = json.loads((tmp_path / "c" / "report.json").read_text())
+    old.pop("windows_sha256")  # as reports written before it: the counts tell
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "report.json").write_text(json.dumps(old))
+    for other, why in (("b", "scored other windows (6,144 bases against 6,144)"),
+                       ("c", "scored other windows (8,192 bases against 6,144)"),
+                       ("old", "scored other bases (8,192 against 6,144 in all)")):
+        capsys.readouterr()
+        csv_path = tmp_path / f"{other}.csv"
+        assert main(["compare", str(tmp_path / "a"), str(tmp_path / other),
+                     "--csv", str(csv_path)]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+        assert f"note: no gain of 'markov order 2 (2)' where it {why}" in out, out
+        overall = csv_path.read_text().splitlines()[-1].split(",")
+        assert overall[:2] == ["all", "all"] and overall[4] == "nan"
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda r: r.update(bins="none"), "no 'bins' list and 'overall' table"),
+    (lambda r: r.pop("overall"), "no 'bins' list and 'overall' table"),
+    (lambda r: r["bins"][0].pop("n_tokens"), "bins[0].n_tokens is missing"),
+    (lambda r: r["overall"].pop("unique"), "no 'unique' field"),
+    (lambda r: r["baselines"]["markov order 2"]["overall"].update(bits_per_base="x"),
+     "not a complete megabase report"),
+], ids=["bins-not-a-list", "no-overall", "bin-without-count", "no-unique", "baseline-bits-text"])
+def test_log_refuses_a_malformed_report_in_one_line(umaydis_store, tmp_path, capsys, damage,
+                                                    says):
+    out = tmp_path / "r"
+    assert main(["baseline", "markov", "--data", str(umaydis_store.path), "--order", "2",
+                 "--train", "chr01", "--eval", "chr22:1-4,096", "--length", "2048",
+                 "--bootstrap", "5", "--quiet", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    report["baselines"] = {"markov order 2": {k: report[k] for k in ("bins", "overall")}}
+    damage(report)
+    (out / "report.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    db = tmp_path / "mlflow.db"
+    assert main(["log", str(out), "--tracking-uri", f"sqlite:///{db}", "--experiment", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and str(out / "report.json") in err[0], err
+    assert not db.exists()  # refused before the store was even opened: no run holds half of it

@@ -87,3 +87,68 @@ def test_run_refuses_in_one_line_when_the_store_stays_locked(bundled_store, tmp_
     assert len(err) == 1 and "locked by another process" in err[0] and "nothing was trained" in \
         err[0], err
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
+
+
+def _limited(kib: int):
+    """For a child process: files it writes end at ``kib`` KiB (``ulimit -f``); a write past that
+    fails with EFBIG (Python ignores SIGXFSZ), as a write to a full disk fails with ENOSPC."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (kib * 1024, kib * 1024))
+    return limit
+
+
+def test_a_store_that_cannot_be_written_keeps_the_report(umaydis_store, tmp_path):
+    """The MLflow store under `ulimit -f`: SQLite's "disk I/O error" ends the command in one line
+    naming the store (exit 3, the machine's trouble), and the report waits on disk for `log`."""
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # made before the limit
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "megabase.pipeline.cli", "baseline", "markov",
+         "--data", str(umaydis_store.path), "--order", "2", "--train", "chr01",
+         "--eval", "chr22:1-4,096", "--length", "2048", "--bootstrap", "5", "--quiet",
+         "--out", str(out), "--tracking-uri", uri, "--experiment", "full"],
+        capture_output=True, text=True, preexec_fn=_limited(100))  # the report fits, the store not
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 3 and len(err) == 1, done.stderr[-3000:]
+    assert err[0].startswith(f"megabase baseline: error: {uri}: the MLflow store cannot be "
+                             "written ("), err
+    assert "(disk I/O error)" in err[0] or "(database or disk is full)" in err[0], err
+    assert f"log it later with `megabase log {out} --tracking-uri {uri} --experiment full`" \
+        in err[0]
+    report = json.loads((out / "report.json").read_text())
+    assert "mlflow" not in report and report["overall"]["n_tokens"] == 4096
+
+    assert main(["log", str(out), "--tracking-uri", uri, "--experiment", "full"]) == 0
+    logged = json.loads((out / "report.json").read_text())["mlflow"]
+    run = MlflowClient(uri).get_run(logged["run_id"])
+    assert run.data.metrics["eval/bits_per_base"] == pytest.approx(
+        report["overall"]["bits_per_base"])
+
+
+def test_a_full_database_is_a_store_failure(tmp_path):
+    """SQLite's own "database or disk is full" (a page limit stands in for the disk), as MLflow
+    wraps it: recognised through the chain of causes."""
+    import sqlite3
+
+    from megabase.eval.tracking import TrackingStoreError, retry_locked, store_failure
+
+    db = sqlite3.connect(tmp_path / "small.db")
+    db.execute("CREATE TABLE t (x BLOB)")
+    db.execute("PRAGMA max_page_count = 3")
+
+    def fill():
+        try:
+            db.execute("INSERT INTO t VALUES (?)", (b"x" * 100_000,))
+        except sqlite3.OperationalError as exc:
+            raise RuntimeError("(sqlite3.OperationalError) wrapped") from exc
+
+    with pytest.raises(RuntimeError) as caught:
+        fill()
+    assert store_failure(caught.value) == "database or disk is full"
+    with pytest.raises(TrackingStoreError, match=r"^sqlite:///x\.db: the MLflow store cannot be "
+                       r"written \(database or disk is full\); kept here$"):
+        retry_locked(fill, "sqlite:///x.db", "kept here")

@@ -68,3 +68,28 @@ def test_a_folder_named_like_the_dataset_is_not_replaced(checkpoint, bundled_sto
     with pytest.raises(InputError, match="layer must be 1..4"):
         embed(checkpoint, bundled_store.path, regions=["chr22:1-100"], layer=9)
     assert (tmp_path / "embeddings.dataset" / "mine.txt").exists()
+
+
+def test_a_full_disk_while_writing_the_dataset_is_one_line_and_keeps_the_earlier_pair(
+        checkpoint, bundled_store, tmp_path):
+    """The array fits under the file-size limit, the dataset's cache does not: one line naming
+    the dataset (not datasets' DatasetGenerationError traceback), and the earlier run's array
+    and dataset stay together (this run's array is not renamed in beside them)."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "emb"
+    args = [sys.executable, "-m", "megabase.pipeline.cli", "embed", "--checkpoint", str(checkpoint),
+            "--data", str(bundled_store.path), "--per-base", "--out", str(out), "--quiet"]
+    assert subprocess.run([*args, "--regions", "chr22:1-100"], capture_output=True).returncode == 0
+    earlier = np.load(out / "embeddings.npy")
+    # 3,000 bases x 32 floats: a 384 kB array, and as much again for the dataset's cache
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (390_000, 390_000))  # noqa: E731
+    proc = subprocess.run([*args, "--regions", "chr22:1-3,000"], capture_output=True, text=True,
+                          preexec_fn=limit)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip()  # --quiet silences datasets' progress bars too
+    assert err == f"megabase embed: error: {out / 'embeddings.dataset'}: File too large", err
+    assert sorted(p.name for p in out.iterdir()) == ["embeddings.dataset", "embeddings.npy"]
+    assert np.array_equal(np.load(out / "embeddings.npy"), earlier)

@@ -2,9 +2,9 @@
 and gives megabase's log-probs, hidden states and sampled bases on real DNA; bad input is refused
 in one line and leaves nothing behind.
 
-transformers runs in a subprocess from a temporary folder: the repository's own ``kernels/``
-folder would shadow the ``kernels`` package transformers imports when the repository root is the
-working directory, and megabase is blocked there as on a machine without it.
+transformers runs in a subprocess, from a temporary folder where megabase is blocked as on a
+machine without it, and once from the repository root (whose ``kernels/`` folder must not shadow
+the ``kernels`` package transformers imports).
 """
 
 import importlib.util
@@ -49,8 +49,17 @@ np.savez(f"{work}/hf.npz", lp=lp.numpy(), lp_fast=lp_fast.numpy(), gen=gen[0, 50
          hidden=res.hidden_states[2][0, 1:].numpy(), base=base.last_hidden_state.numpy(),
          cls=logits.detach().numpy(), mixed=np.array(tok("Ac gT\nnR-y.\r\nu")["input_ids"]),
          batch=batch["input_ids"].numpy(), mask=batch["attention_mask"].numpy())
+refused = {}
+for text in ("AC<sep>GT", "A<pad>", "ACGT</s>"):  # special-token strings in text are not DNA
+    try:
+        refused[text] = tok(text)["input_ids"]
+    except ValueError as exc:
+        refused[text] = str(exc)
 print(json.dumps({"modules": sorted(m for m, v in sys.modules.items()
-                                     if v is not None and m.split(".")[0] == "megabase")}))
+                                     if v is not None and m.split(".")[0] == "megabase"),
+                  "decoded": tok.decode(tok("ACGNNTnr")["input_ids"], skip_special_tokens=True),
+                  "decoded_padded": tok.batch_decode(batch["input_ids"], skip_special_tokens=True),
+                  "special": tok.all_special_tokens, "refused": refused}))
 '''
 
 
@@ -69,7 +78,7 @@ def exported(checkpoint, bundled_store, tmp_path_factory):
     done = run_python(LOAD, work / "out", work, cwd=work)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"out": work / "out", "tile": tile, "hf": dict(np.load(work / "hf.npz")),
-            "modules": json.loads(done.stdout.strip().splitlines()[-1])["modules"]}
+            **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def test_log_probs_equal_megabases_on_held_out_dna(exported, checkpoint):
@@ -124,6 +133,16 @@ def test_tokenizer_maps_text_as_prepare_does_and_pads_right(exported):
     assert hf["mask"][1].tolist() == [1] * 9 + [0, 0] and hf["cls"].shape == (2, 3)
 
 
+def test_n_is_a_base_and_special_token_strings_in_text_are_not_tokens(exported):
+    # N is not the unknown token: skip_special_tokens keeps it, and drops <sep> and <pad> only
+    assert exported["decoded"] == "ACGNNTNN" and sorted(exported["special"]) == ["<pad>", "<sep>"]
+    assert exported["decoded_padded"] == ["ACGTACGTAC", "ACGTNNNN"]
+    # "<sep>" written in a sequence is not the separator: refused where it starts, as any non-DNA
+    for text, got in exported["refused"].items():
+        assert isinstance(got, str), got
+        assert f"invalid nucleotide '<' at position {text.index('<')}" in got
+
+
 def test_the_folder_has_a_model_card_and_its_provenance(exported, checkpoint):
     out = exported["out"]
     card = (out / "README.md").read_text()
@@ -169,10 +188,141 @@ def test_a_report_of_megabase_evaluate_reaches_the_card(checkpoint, bundled_stor
     assert "markov order 0" in card and "What context beyond ~500 bases gives" in card
 
 
-def test_export_again_replaces_an_earlier_export(exported, checkpoint):
-    (exported["out"] / "stale.txt").write_text("from before")
-    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(exported["out"])]) == 0
-    assert not (exported["out"] / "stale.txt").exists()
+def test_export_again_replaces_only_what_megabase_wrote(checkpoint, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    ours = json.loads((out / "megabase_export.json").read_text())["files"]
+    # what a user adds beside an export: an adapter, a fine-tune's checkpoint folder
+    (out / "adapter_model.safetensors").write_bytes(b"adapter")
+    (out / "checkpoint-500").mkdir()
+    (out / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    (out / "config.json").write_text((out / "config.json").read_text())  # unchanged: megabase's
+    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    assert (out / "adapter_model.safetensors").read_bytes() == b"adapter"
+    assert (out / "checkpoint-500" / "trainer_state.json").read_text() == "{}"
+    assert json.loads((out / "megabase_export.json").read_text())["files"] == ours
+    capsys.readouterr()
+    # one of megabase's files that the user changed is not replaced: refused, nothing moved
+    (out / "README.md").write_text("my own notes")
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{out / 'README.md'}: is not the file megabase " \
+        "export-model wrote there" in err, err
+    assert (out / "README.md").read_text() == "my own notes"
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left
+
+
+def test_a_report_of_another_checkpoint_is_refused(checkpoint, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    from megabase.model import build_model, save_checkpoint
+    from megabase.model.checkpoint import weights_sha256
+
+    torch.manual_seed(1)
+    other = save_checkpoint(build_model("debug"), tmp_path / "other")
+    report = {"overall": {"n_tokens": 1000, "bits_per_base": 1.07}, "n_windows": 4}
+    cases = {
+        "names another": {**report, "checkpoint": str(other)},
+        "names this path, other weights": {**report, "checkpoint": str(checkpoint),
+                                           "checkpoint_sha256": weights_sha256(other)},
+        "names a folder that is gone": {**report, "checkpoint": str(tmp_path / "gone")},
+    }
+    for why, data in cases.items():
+        (tmp_path / "report.json").write_text(json.dumps(data))
+        code = main(["export-model", "--checkpoint", str(checkpoint), "--out",
+                     str(tmp_path / "o"), "--report", str(tmp_path / "report.json")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, (why, err)
+        assert f"report.json: is not a report of {checkpoint}" in err, (why, err)
+        assert not (tmp_path / "o").exists()
+    # a report of this checkpoint, whose folder was moved since: its weights' checksum matches
+    moved = tmp_path / "moved"
+    shutil.copytree(checkpoint, moved)
+    (tmp_path / "report.json").write_text(json.dumps(
+        {**report, "checkpoint": str(tmp_path / "gone"),
+         "checkpoint_sha256": weights_sha256(checkpoint)}))
+    assert main(["export-model", "--checkpoint", str(moved), "--out", str(tmp_path / "o"),
+                 "--report", str(tmp_path / "report.json")]) == 0
+    assert "| this model | 1.0700 |" in (tmp_path / "o" / "README.md").read_text()
+
+
+def test_an_unwritable_cache_uses_a_copy_removed_at_exit(exported, tmp_path):
+    """Where $MEGABASE_CACHE cannot be written, the carried code goes to a temporary folder for
+    the process; it used to stay in the temp folder after every such process."""
+    import os
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    code = LOAD.replace('f"{work}/hf.npz"', 'f"{work}/hf-scratch.npz"')
+    env = {**os.environ, "MEGABASE_CACHE": str(blocker / "cache"), "TMPDIR": str(scratch)}
+    done = subprocess.run([sys.executable, "-c", code, str(exported["out"]),
+                           str(exported["out"].parent)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lp = np.load(exported["out"].parent / "hf-scratch.npz")["lp"]
+    assert np.abs(lp - exported["hf"]["lp"]).max() <= 1e-4  # no cache to build C kernels into
+    assert not list(scratch.glob("megabase-hf-*"))
+
+
+def test_an_export_loads_in_transformers_from_the_repository_root(exported):
+    """A shell or notebook at the repository root has the root on sys.path, where the folder
+    kernels/ (megabase.kernels) used to shadow the kernels package transformers imports."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = r'''
+import sys
+import numpy as np, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import kernels
+out, work = sys.argv[1], sys.argv[2]
+tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+lm = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+tile = np.load(f"{work}/tile.npy")
+ids = tok("".join("ACGTN"[t] for t in tile), return_tensors="pt").input_ids
+with torch.no_grad():
+    lp = lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+np.save(f"{work}/root.npy", lp.numpy())
+print(kernels.__file__)
+'''
+    work = exported["out"].parent
+    done = run_python(code, exported["out"], work, cwd=root)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] != str(root / "kernels" / "__init__.py")
+    assert np.array_equal(np.load(work / "root.npy"), exported["hf"]["lp"])
+
+
+def test_a_full_disk_while_exporting_is_one_line_naming_the_file(checkpoint, tmp_path):
+    """A file-size limit (EFBIG, as a full disk gives ENOSPC) while safetensors writes the
+    weights: one line naming the export's model.safetensors, exit 2, nothing left."""
+    import resource
+
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # noqa: E731
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "export-model",
+                           "--checkpoint", str(checkpoint), "--out", str(out)],
+                          capture_output=True, text=True, preexec_fn=limit)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    assert err == f"megabase export-model: error: {out / 'model.safetensors'}: File too large"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_too_long_for_a_temporary_names_the_export_not_the_temporary(checkpoint, tmp_path,
+                                                                            capsys):
+    out = tmp_path / ("x" * 245)  # a valid name; its temporary sibling's name is too long
+    assert main(["export-model", "--checkpoint", str(checkpoint), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    # os_error_line shortens a long name to its ends and its length: the export's own
+    assert len(err.splitlines()) == 1, err
+    assert err.endswith(f"x ({len(str(out))} characters): File name too long"), err
+    assert ".tmp-" not in err and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("case, message", [

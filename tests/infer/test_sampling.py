@@ -79,3 +79,42 @@ def test_bad_options_are_one_line_and_write_nothing(checkpoint, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_write_error_names_the_fasta_not_its_temporary(checkpoint, bundled_store, tmp_path,
+                                                         capsys):
+    """The FASTA is written through a temporary sibling (``.<name>.tmp-<pid>-*``): an error on
+    the way (here its name, 20 characters longer than the valid one asked for, is too long) is
+    reported with the file the user named."""
+    out = tmp_path / ("g" * 250 + ".fa")
+    assert main(["generate", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--prompt-region", "chr22:1-100", "--length", "5", "--out", str(out),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ".tmp-" not in err, err
+    assert err.endswith(f"g.fa ({len(str(out))} characters): File name too long"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_errors_inside_a_temporary_name_the_target(tmp_path):
+    """data.atomic: an OSError naming a temporary (a file's, or a file inside a folder's) names
+    the target; one without a file name gets it; numpy's errno-less short write keeps its text."""
+    import errno
+
+    from megabase.data.atomic import building_dir, naming, writing
+
+    target = tmp_path / "tracks.bw"
+    with pytest.raises(OSError) as exc:
+        with writing(target) as tmp:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+    assert exc.value.filename == str(target)
+    folder = tmp_path / "model"
+    with pytest.raises(OSError) as exc:
+        with building_dir(folder) as tmp:
+            open(tmp / "sub" / "weights.bin", "wb")
+    assert exc.value.filename == str(folder / "sub" / "weights.bin")
+    with pytest.raises(OSError) as exc:
+        with naming(target):
+            raise OSError("100000 requested and 2484 written")
+    assert exc.value.filename == str(target) and "short write" in exc.value.strerror
+    assert list(tmp_path.iterdir()) == []

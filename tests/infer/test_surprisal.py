@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,93 @@ def test_the_dsa_stage_is_the_checkpoints_unless_chosen(checkpoint, bundled_stor
     assert "--dsa-stage must be one of exact, mean, max, got 'median'" in err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def _score(checkpoint, store, out, *extra):
+    return main(["score", "--checkpoint", str(checkpoint), "--data", str(store.path), "--out",
+                 str(out), "--quiet", *extra])
+
+
+def test_a_score_run_replaces_every_track_of_an_earlier_one(checkpoint, bundled_store, tmp_path,
+                                                            capsys):
+    import json
+
+    out = tmp_path / "tracks"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    assert _score(checkpoint, bundled_store, out, "--regions", "chr22:1-2,000", "--entropy") == 0
+    assert (out / "entropy.bedgraph").is_file() and (out / "entropy.bw").is_file()
+    # a second run without --entropy, of another region, as bedGraph only: the first run's
+    # entropy and bigWig tracks would otherwise sit beside it as if from the same run
+    assert _score(checkpoint, bundled_store, out, "--regions", "chr22:5,001-6,000",
+                  "--format", "bedgraph") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt", "score.json", "surprisal.bedgraph"]
+    manifest = json.loads((out / "score.json").read_text())
+    assert manifest["regions"] == ["chr22:5,001-6,000"] and manifest["entropy"] is False
+    assert manifest["files"] == {"surprisal.bedgraph": (out / "surprisal.bedgraph").stat().st_size}
+    assert manifest["checkpoint"] == str(checkpoint.resolve())
+    lines = (out / "surprisal.bedgraph").read_text().splitlines()
+    assert len(lines) == 1 + 1_000 and lines[1].startswith("chr22\t5000\t5001\t")
+    assert (out / "mine.txt").read_text() == "kept"
+
+
+def test_a_second_score_into_a_busy_out_is_refused(checkpoint, bundled_store, tmp_path, capsys):
+    """Two score commands into one --out: the second is refused in one line naming the first,
+    which is then stopped (SIGTERM) and leaves nothing either."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "tracks"
+    first = subprocess.Popen([sys.executable, "-m", "megabase.pipeline.cli", "score",
+                              "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                              "--regions", "chr22", "--out", str(out), "--quiet"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (out / ".score.lock").exists() and first.poll() is None:
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()
+        assert _score(checkpoint, bundled_store, out, "--regions", "chr22:1-1,000",
+                      "--entropy") == 2
+    finally:
+        first.terminate()
+        first.wait()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"megabase score: error: {out}: this output folder is in use by "
+                          f"process {first.pid} (megabase score)"), err
+    assert first.returncode == 130, first.stderr.read()
+    assert not out.exists()  # made by the first, which wrote nothing in it
+
+
+def test_a_full_disk_while_writing_tracks_keeps_the_earlier_run_whole(checkpoint, bundled_store,
+                                                                      tmp_path, capsys):
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "tracks"
+    assert _score(checkpoint, bundled_store, out, "--regions", "chr22:1-1,000", "--entropy",
+                  "--format", "bedgraph") == 0
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # noqa: E731
+    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "score", "--checkpoint",
+                           str(checkpoint), "--data", str(bundled_store.path), "--regions",
+                           "chr22:1-3,000", "--format", "bedgraph", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, preexec_fn=limit)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
+    assert err == f"megabase score: error: {out / 'surprisal.bedgraph'}: File too large"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier  # no temporary, no mix
+
+
+def test_scoring_progress_reaches_a_log_file_as_lines(checkpoint, bundled_store, tmp_path, capsys,
+                                                      monkeypatch):
+    monkeypatch.setenv("MEGABASE_PROGRESS_EVERY_S", "0")  # a line at every piece
+    assert main(["score", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-6,000", "--out", str(tmp_path / "o"), "--segment", "2048",
+                 "--format", "bedgraph"]) == 0
+    err = capsys.readouterr().err  # not a terminal: lines, no bar
+    lines = [line for line in err.splitlines() if line.startswith("megabase: score: ")]
+    assert re.match(r"megabase: score: [\d,]+/6,000 bases \(\d+%\), ", lines[0]), err
+    assert lines[-1].startswith("megabase: score: 6,000 bases done in ") and "\r" not in err

@@ -184,3 +184,12 @@ def test_library_errors_name_arguments_and_the_cli_names_its_flags_or_keys(bundl
     assert "no token store here" in one_line(capsys)
     assert main(["run", *tiny(tmp_path, bundled_store), "--set", f"data.store={tmp_path / 'file'}"]) == 2
     assert "is not a directory; choose another data.store" in one_line(capsys)
+
+
+def test_run_refuses_baselines_fitted_on_the_scored_bases_before_training(bundled_store, tmp_path,
+                                                                          capsys):
+    sets = tiny(tmp_path, bundled_store)
+    sets[sets.index("eval.enabled=false")] = "eval.enabled=true"
+    assert main(["run", *sets, "--set", "eval.train=chr01,chr22:1-1000"]) == 2
+    assert "eval.train region chr22:1-1,000 shares bases with the scored chr22" in one_line(capsys)
+    assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()

@@ -1,9 +1,10 @@
 """Imports the megabase code carried in ``megabase_sources.py`` (written out once under
 ``$MEGABASE_CACHE/hf``, default ``~/.cache/megabase/hf``, C files included; a read-only home gets
-a temporary copy per process)."""
+a temporary copy per process, removed when it exits)."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import shutil
@@ -24,7 +25,9 @@ def megabase_module(name: str):
                 root.mkdir(parents=True, exist_ok=True)
                 home = _write(root, home)
             except OSError:
-                home = _write(Path(tempfile.mkdtemp(prefix="megabase-hf-")), None)
+                scratch = Path(tempfile.mkdtemp(prefix="megabase-hf-"))
+                atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # one process's copy
+                home = _write(scratch, None)
         if str(home) not in sys.path:
             sys.path.append(str(home))
     return importlib.import_module(f"{PACKAGE}.{name}")
@@ -34,10 +37,14 @@ def _write(root: Path, home: Path | None) -> Path:
     """The sources under a temporary folder of ``root``, renamed into place as ``home`` (a
     process that wrote it first wins; None: keep the temporary folder)."""
     tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=root))
-    for rel, text in SOURCES.items():
-        path = tmp / PACKAGE / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    try:
+        for rel, text in SOURCES.items():
+            path = tmp / PACKAGE / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    except OSError:  # a full or read-only cache: no half-written copy left in it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if home is None:
         return tmp
     try:

@@ -5,7 +5,13 @@ maps a FASTA (the same table, from the carried megabase code).
 case) and the gaps ``-`` ``.`` are ``N`` = 4; ``<pad>`` = 5, ``<sep>`` = 6, the start of every
 sequence (added by default, as megabase reads a window from a ``<sep>``). Whitespace (line ends of
 a pasted FASTA record) is skipped; any other character is an error naming it and its position.
-Case is not kept (megabase records it as a repeat mask, not a token). Decoding gives upper case.
+Case is not kept (megabase records it as a repeat mask, not a token).
+
+Text is DNA only: ``<pad>`` and ``<sep>`` are added by the tokenizer (start, padding), never read
+from the text, so ``"A<sep>C"`` is refused at ``<`` like any other non-DNA character. ``N`` is a
+base, not an unknown token: there is no unknown token (a non-DNA character is an error, not a
+guess), and ``decode(..., skip_special_tokens=True)`` drops only ``<pad>`` and ``<sep>``. Decoding
+gives the bases in upper case (``<pad>`` and ``<sep>`` are not written out in either case).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class MegabaseTokenizer(PreTrainedTokenizer):
     model_input_names = ["input_ids", "attention_mask"]
 
     def __init__(self, vocab_file: str | None = None, bos_token="<sep>", pad_token="<pad>",
-                 unk_token="N", add_bos_token: bool = True, padding_side="right", **kwargs):
+                 add_bos_token: bool = True, padding_side="right", **kwargs):
         if vocab_file is not None:
             with open(vocab_file) as fh:
                 symbols = json.load(fh)
@@ -32,8 +38,12 @@ class MegabaseTokenizer(PreTrainedTokenizer):
                 raise ValueError(f"{vocab_file} is not megabase's vocabulary {list(SYMBOLS)}")
         self._ids = {s: i for i, s in enumerate(SYMBOLS)}
         self.add_bos_token = add_bos_token
-        super().__init__(bos_token=bos_token, pad_token=pad_token, unk_token=unk_token,
-                         padding_side=padding_side, **kwargs)
+        if kwargs.get("unk_token") is not None:  # an unknown token is skipped as special
+            raise ValueError("megabase's tokenizer has no unknown token (N is a base); "
+                             "leave out unk_token")
+        kwargs.pop("unk_token", None)
+        super().__init__(bos_token=bos_token, pad_token=pad_token, padding_side=padding_side,
+                         **kwargs)
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +51,14 @@ class MegabaseTokenizer(PreTrainedTokenizer):
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self._ids)
+
+    def tokenize(self, text: str, **kwargs) -> list[str]:
+        """The tokens of DNA ``text``. Unlike other tokenizers, special-token strings written in the
+        text are not split out as special tokens (they are not DNA: refused at their first
+        character), whatever ``split_special_tokens`` says."""
+        kwargs.pop("split_special_tokens", None)
+        text, kwargs = self.prepare_for_tokenization(text, **kwargs)
+        return self._tokenize(text)
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         from .megabase_code import megabase_module
@@ -54,7 +72,12 @@ class MegabaseTokenizer(PreTrainedTokenizer):
         return [SYMBOLS[i] for i in ids.tolist()]
 
     def _convert_token_to_id(self, token: str) -> int:
-        return self._ids.get(token, self._ids["N"])
+        if token in self._ids:
+            return self._ids[token]
+        tokens = self._tokenize(token)  # an IUPAC code or lower case, as in text; else refused
+        if len(tokens) != 1:
+            raise ValueError(f"{token!r} is not a token of megabase's vocabulary {list(SYMBOLS)}")
+        return self._ids[tokens[0]]
 
     def _convert_id_to_token(self, index: int) -> str:
         return SYMBOLS[index]

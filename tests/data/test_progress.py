@@ -1,0 +1,35 @@
+"""Progress that reaches a log: plain lines when stderr is a file, nothing for a short phase."""
+
+import io
+
+from megabase.data.progress import progress, tracked
+
+
+def test_lines_when_not_a_terminal():
+    log = io.StringIO()
+    with progress(4, "model", unit="window", every_s=0, stream=log) as bar:
+        for _ in range(3):
+            bar.update(1, bases=65_536)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("megabase: model: 1/4 windows (25%), ")
+    assert "bases/s" in lines[0] and "ETA" in lines[0]
+    assert lines[2].startswith("megabase: model: 3/4 windows (75%)")
+    assert lines[3].startswith("megabase: model: 3 windows done in ")
+
+
+def test_a_short_phase_writes_nothing():
+    log = io.StringIO()
+    with progress(4, "model", unit="window", every_s=3600, stream=log) as bar:
+        bar.update(4)
+    with progress(4, "model", enabled=False, every_s=0, stream=log) as bar:
+        bar.update(4)
+    assert log.getvalue() == ""
+
+
+def test_unknown_total_and_the_period_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("MEGABASE_PROGRESS_EVERY_S", "0")
+    assert list(tracked(iter("abc"), "reading", unit="record")) == ["a", "b", "c"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("megabase: reading: 1 records, ") and "ETA" not in err[0]
+    assert err[-1].startswith("megabase: reading: 3 records done in ")
