@@ -60,6 +60,11 @@ def save_safetensors(state: dict, path: str | Path, metadata: dict[str, str] | N
         number = int(code.group(1))
         raise OSError(number, os.strerror(number) or errno.errorcode.get(number, str(number)),
                       str(path)) from None
+    from megabase.data.atomic import current_umask
+
+    # safetensors creates the file 0600: the weights of a shared project's run were readable by
+    # their writer alone, beside a config.json the umask let everyone read
+    os.chmod(path, 0o666 & ~current_umask())
     return Path(path)
 
 

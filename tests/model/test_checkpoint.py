@@ -183,3 +183,15 @@ def test_a_full_disk_while_training_writes_a_checkpoint_is_one_line(bundled_stor
     assert err == (f"megabase train: error: could not write checkpoint {ckpts / 'step-000002'}: "
                    "File too large; no earlier checkpoint")
     assert not ckpts.exists() or list(ckpts.iterdir()) == []
+
+
+def test_the_weights_are_readable_as_the_umask_says(tmp_path):
+    import os
+
+    before = os.umask(0o022)
+    try:
+        path = save_checkpoint(build_model("debug"), tmp_path / "ckpt")
+    finally:
+        os.umask(before)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
