@@ -44,7 +44,7 @@ def _holder(lock: Path) -> str:
 
 @contextmanager
 def holding(path: str | Path, what: str, wait: bool = False,
-            poll_s: float = 0.5) -> Iterator[Path]:
+            poll_s: float = 0.5, instead: str = "choose another name") -> Iterator[Path]:
     """Hold the lock of ``path`` for the block.
 
     Args:
@@ -53,6 +53,7 @@ def holding(path: str | Path, what: str, wait: bool = False,
         wait: wait for the holder to finish (a store build: the second one then finds the store
             up to date) instead of refusing at once (a run: two writers would interleave steps).
         poll_s: seconds between tries while waiting.
+        instead: what the refusal tells the user to do besides waiting.
 
     Raises:
         InputError: without ``wait``, when another process holds the lock; it names the holder.
@@ -69,7 +70,7 @@ def holding(path: str | Path, what: str, wait: bool = False,
             _held[key] = (fd, depth - 1)
         return
     try:
-        fd = _acquire(lock, what, path, wait, poll_s)
+        fd = _acquire(lock, what, path, wait, poll_s, instead)
     except OSError as exc:
         if not wait or exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
@@ -84,7 +85,7 @@ def holding(path: str | Path, what: str, wait: bool = False,
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float) -> int:
+def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float, instead: str) -> int:
     """A descriptor of ``lock`` holding its flock, with this process written in it. The file
     is removed on release, so a lock is only good on the file still at that path: a waiter
     that wins on a removed file opens the new one and tries again."""
@@ -98,7 +99,7 @@ def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float) -> int:
             os.close(fd)
             if not wait:
                 raise InputError(f"{what} is in use by {_holder(lock)}; wait for it to end or "
-                                 "choose another name", path) from None
+                                 f"{instead}", path) from None
             if not told:
                 print(f"{path}: waiting for {_holder(lock)}, which holds {what}", file=sys.stderr)
                 told = True

@@ -55,7 +55,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.every_s = float(os.environ.get(ENV_EVERY_S, EVERY_S)) if every_s is None else every_s
         self.enabled = bool(enabled)
-        self.n, self.counts, self.lines = 0, {}, 0
+        self.n, self.counts, self.lines, self.note = 0, {}, 0, ""
         self.started = self.last = time.monotonic()
         self._bar = None
         if self.enabled and (bar if bar is not None else _isatty(self.stream)):
@@ -63,10 +63,14 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=self.stream)
 
-    def update(self, n: int = 1, **counts: float) -> None:
+    def update(self, n: int = 1, note: str | None = None, **counts: float) -> None:
         """``n`` more units done; ``counts`` (e.g. ``bases=65536``) add to counters whose rates
-        the log lines show."""
+        the log lines show; ``note`` (e.g. the latest loss) replaces the text shown after them."""
         self.n += n
+        if note is not None:
+            self.note = note
+            if self._bar is not None:
+                self._bar.set_postfix_str(note, refresh=False)
         for key, value in counts.items():
             self.counts[key] = self.counts.get(key, 0) + value
         if self._bar is not None:
@@ -86,6 +90,8 @@ class Progress:
         parts += [f"{_count(v / elapsed)} {k}/s" for k, v in self.counts.items()]
         if self.total and 0 < self.n < self.total:
             parts.append(f"ETA {_seconds(elapsed * (self.total - self.n) / self.n)}")
+        if self.note:
+            parts.append(self.note)
         return f"megabase: {self.desc}: " + ", ".join(parts)
 
     def _line(self) -> None:

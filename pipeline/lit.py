@@ -46,15 +46,6 @@ class StepLog(pl.Callback):
         pl_module.record_step(batch_idx)
 
 
-class StepProgress(Progress):
-    """A :class:`~megabase.data.progress.Progress` whose lines end with the latest loss."""
-
-    note = ""
-
-    def line(self) -> str:
-        return super().line() + (f", {self.note}" if self.note else "")
-
-
 class LogProgress(pl.Callback):
     """Training progress as periodic log lines (:mod:`megabase.data.progress`), for a stderr that
     is not a terminal (a cluster job's log), where Lightning's bar is a stream of carriage returns
@@ -67,16 +58,16 @@ class LogProgress(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         if trainer.is_global_zero:
             since = f" from step {self.start_step}" if self.start_step else ""
-            self.bar = StepProgress(self.steps - self.start_step, f"train{since}", "step",
-                                     every_s=self.every_s, bar=False)
+            self.bar = Progress(self.steps - self.start_step, f"train{since}", "step",
+                                every_s=self.every_s, bar=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.bar is None or (batch_idx + 1) % pl_module.cfg.train.grad_accum:
             return
         row = pl_module.history[-1]
-        self.bar.note = f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']}"
         t = pl_module.cfg.train
-        self.bar.update(1, tokens=row["window_length"] * t.batch_size * t.grad_accum)
+        self.bar.update(1, note=f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']}",
+                        tokens=row["window_length"] * t.batch_size * t.grad_accum)
 
     def on_train_end(self, trainer, pl_module):
         if self.bar is not None:

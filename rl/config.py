@@ -58,8 +58,8 @@ class RLConfig:
     prompts_per_step: int = 2
     group_size: int = 8  # samples per prompt; advantages are reward - group mean
     sample_length: int = 200  # bases generated per sample
-    temperature: float = 1.0
-    lr: float = 1e-4
+    temperature: float = 1.0  # within [0.01, 100]
+    lr: float = 1e-4  # within (0, 1), as train.lr
     grad_clip: float = 1.0
     mask_ratio: float = 0.2  # tokens whose trainer / generator probability ratio leaves 1 +- this
     log_ratio_weight: float = 1e-3  # the small log^2(ratio) penalty (prime-rl's "kl")
@@ -93,6 +93,7 @@ class RLConfig:
 
 
 DTYPES = ("fp32", "bf16")
+TEMPERATURE = (1e-2, 1e2)  # sampling temperatures accepted: near-greedy to near-uniform
 POSITIVE = ("steps", "prompts_per_step", "group_size", "sample_length", "max_off_policy_steps")
 
 
@@ -119,9 +120,15 @@ def check(cfg: RLConfig, source: str) -> None:
         bad("async_level", f"must be 0 or more, got {cfg.async_level}")
     if not cfg.asynchronous and cfg.async_level:
         cfg.async_level = 0
-    for key in ("lr", "temperature", "grad_clip"):
-        if not getattr(cfg, key) > 0:
-            bad(key, f"must be positive, got {getattr(cfg, key)}")
+    # lr as train.lr: 1e30 passed a "positive" check and turned 99% of the policy to NaN
+    if not 0 < cfg.lr < 1:
+        bad("lr", f"must be within (0, 1), got {cfg.lr}")
+    # logits / temperature must stay finite in fp32: 1e-300 made the sampling probabilities NaN
+    if not TEMPERATURE[0] <= cfg.temperature <= TEMPERATURE[1]:
+        bad("temperature", f"must be within [{TEMPERATURE[0]:g}, {TEMPERATURE[1]:g}], got "
+                           f"{cfg.temperature}")
+    if not cfg.grad_clip > 0:
+        bad("grad_clip", f"must be positive, got {cfg.grad_clip}")
     for key in ("beta", "log_ratio_weight"):
         if getattr(cfg, key) < 0:
             bad(key, f"must be 0 or more, got {getattr(cfg, key)}")
@@ -148,6 +155,8 @@ def check(cfg: RLConfig, source: str) -> None:
         bad("reward.threshold", "and reward.heldout_threshold must be in [0, 1]")
     if not 0 <= r.gc_min <= r.gc_max <= 1:
         bad("reward.gc_min", f"must be <= reward.gc_max, both in [0, 1] (got {r.gc_min}, {r.gc_max})")
+    if r.penalty < 0:
+        bad("reward.penalty", f"must be 0 or more (reward lost per violation), got {r.penalty}")
     if r.repeat_k < 0:
         bad("reward.repeat_k", f"must be 0 (off) or more, got {r.repeat_k}")
     if r.gc_window < 1 or r.max_homopolymer < 1:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megabase.data.vocab import SEP
+from megabase.pipeline.errors import TrainingError
 
 from .config import RLConfig
 from .replay import restart, taped
@@ -109,7 +110,12 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                     state, logits = prefill(P + i)
             last = logits[:, -1].float() / cfg.temperature
             logp = torch.log_softmax(last, -1)
-            base = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            probs = logp.exp()
+            if not bool(torch.isfinite(probs).all()):  # else multinomial's RuntimeError
+                raise TrainingError(f"the generator's sampling probabilities became non-finite at "
+                                    f"base {i + 1} of batch {batch} (policy version {version}, "
+                                    f"temperature {cfg.temperature:g})")
+            base = torch.multinomial(probs, 1, generator=gen)[:, 0]
             out[:, P + i] = base
             behaviour[:, i] = logp.gather(1, base[:, None])[:, 0]
             versions[:, i] = version
@@ -125,7 +131,6 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                               versions[rows], None if routing is None else [r[rows] for r in routing],
                               torch.zeros(G), updates=updates, seconds=seconds))
     return groups, version
-
 
 
 class Scorer:

@@ -13,7 +13,12 @@ shutdown (``STOP``, then every message up to the generator's ``BYE``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -99,8 +104,9 @@ def generator_main(cfg: RLConfig, checkpoint: str, address: str | None = None) -
     except Stopped:
         pass
     except BaseException as exc:
-        line = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
-        link.send_object(ERROR, (line, isinstance(exc, InputError), traceback.format_exc()))
+        kind = error_kind(exc)
+        line = str(exc) if kind in ("input", "training") else f"{type(exc).__name__}: {exc}"
+        link.send_object(ERROR, (line, kind, traceback.format_exc()))
         if not isinstance(exc, Exception):
             raise
     finally:
@@ -110,8 +116,68 @@ def generator_main(cfg: RLConfig, checkpoint: str, address: str | None = None) -
         transport.disconnect()
 
 
-def _spawned(cfg: RLConfig, checkpoint: str, address: str) -> None:
+def error_kind(exc: BaseException) -> str | None:
+    """How the trainer reports a generator's failure: ``"input"`` (one line, exit 2),
+    ``"training"`` (one line, exit 3), ``"interrupted"`` (as a Ctrl-C), None (a bug: the
+    traceback)."""
+    if isinstance(exc, InputError):
+        return "input"
+    if isinstance(exc, TrainingError):
+        return "training"
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else None
+
+
+def _spawned(cfg: RLConfig, checkpoint: str, address: str, parent: int) -> None:
+    """The generator process ``megabase rl`` starts: it ignores Ctrl-C (the trainer, which gets
+    it too, stops it and prints the one line) and ends with its parent, however that ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards one that came while it started
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the trainer
+    die_with_parent(parent)
     generator_main(cfg, checkpoint, address)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process when ``parent`` ends: a trainer killed with SIGKILL sends no ``STOP``,
+    and the rendezvous would wait 24 h (with it, the resource tracker, which ends when the
+    last process holding its pipe does). On Linux the kernel sends SIGKILL (prctl
+    ``PR_SET_PDEATHSIG``); elsewhere a thread checks ``os.getppid()`` every ``poll_s`` s."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # it ended before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="megabase-rl-parent").start()
+
+
+@contextlib.contextmanager
+def sigint_blocked():
+    """SIGINT blocked in this thread for the block: a process started in it inherits the mask,
+    so a Ctrl-C while it imports waits until :func:`_spawned` ignores it (else its
+    KeyboardInterrupt traceback); here, one that came meanwhile arrives when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class AsyncGenerator:
@@ -126,8 +192,9 @@ class AsyncGenerator:
 
             address = f"tcp://127.0.0.1:{transport.free_port()}"
             self.proc = mp.get_context("spawn").Process(
-                target=_spawned, args=(cfg, checkpoint, address), daemon=True)
-            self.proc.start()
+                target=_spawned, args=(cfg, checkpoint, address, os.getpid()), daemon=True)
+            with sigint_blocked():
+                self.proc.start()
         try:
             transport.connect(0, address, self._alive)
         except transport.PeerGone as exc:
@@ -148,10 +215,14 @@ class AsyncGenerator:
             self.received += 1
             self.waiting.append(payload)
         elif kind == ERROR:
-            line, is_input, trace = payload
+            line, what, trace = payload
             self.ended = True
-            if is_input:
+            if what == "input":
                 raise InputError(line)
+            if what == "training":
+                raise TrainingError(f"the generator stopped: {line}")
+            if what == "interrupted":
+                raise KeyboardInterrupt
             raise RuntimeError(f"the generator failed: {line}\n{trace}")
         elif kind in (BYE, GONE):
             self.ended = True

@@ -21,6 +21,7 @@ from megabase.data.vocab import SYMBOLS, tokenize
 
 from .config import RewardConfig
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a reward's largest magnitude
 PSEUDOCOUNT = 0.8  # per base, spread as JASPAR's own tools do before taking log-odds
 
 
@@ -185,9 +186,14 @@ class CallableReward:
         self.fn = load_callable(spec, base)
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        """``tokens [N, L]`` -> ``[N]`` float64 rewards, each finite in float32 (the precision
+        they travel and train in)."""
         seqs = ["".join(SYMBOLS[t] for t in row.tolist()) for row in tokens]
         try:
             values = self.fn(seqs)
+        except SystemExit as exc:  # sys.exit() in a reward would end megabase with its code
+            raise InputError(f"reward.function {self.spec!r} called sys.exit({exc.code!r}) when "
+                             "called; a reward must return its numbers") from None
         except Exception as exc:
             raise InputError(f"reward.function {self.spec!r} raised {type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
@@ -196,9 +202,17 @@ class CallableReward:
         except (TypeError, ValueError):
             raise InputError(f"reward.function {self.spec!r} must return numbers, got "
                              f"{type(values).__name__}") from None
-        if out.shape[0] != len(seqs) or not np.isfinite(out).all():
+        if out.shape[0] != len(seqs):
             raise InputError(f"reward.function {self.spec!r} must return one finite number per "
-                             f"sequence ({len(seqs)}), got {out.shape[0]}")
+                             f"sequence ({len(seqs)}), got {out.shape[0]} numbers")
+        # +-1e39 is finite in float64 but infinite in float32, where it became NaN advantages
+        with np.errstate(over="ignore", invalid="ignore"):  # the overflow is what is checked
+            bad = np.flatnonzero(~np.isfinite(out.astype(np.float32)))
+        if len(bad):
+            raise InputError(f"reward.function {self.spec!r} must return one finite number per "
+                             f"sequence (within +-{FLOAT32_MAX:.3g}), got {float(out[bad[0]])} for "
+                             f"sequence {bad[0] + 1} of {len(seqs)}"
+                             + (f" ({len(bad)} such values)" if len(bad) > 1 else ""))
         return out
 
 
@@ -219,6 +233,9 @@ def load_callable(spec: str, base: Path) -> Callable:
             module = importlib.import_module(where)
     except InputError:
         raise
+    except SystemExit as exc:  # else sys.exit(0) at import ended `megabase rl` with 0, silently
+        raise InputError(f"reward.function {spec!r}: {where} called sys.exit({exc.code!r}) when "
+                         "imported; a reward module must only define its function") from None
     except Exception as exc:
         raise InputError(f"reward.function {spec!r} could not be loaded: {type(exc).__name__}: "
                          f"{(str(exc).splitlines() or [''])[0]}") from None

@@ -76,6 +76,11 @@ class Staleness:
                 "dropped": self.dropped, "kept": self.kept}
 
 
+def usable(prompt: np.ndarray, max_n_frac: float) -> bool:
+    """A prompt ``[length]`` (token ids) of bases and N only, at most ``max_n_frac`` of it N."""
+    return bool((prompt >= N_BASES).mean() <= max_n_frac and not (prompt > N).any())
+
+
 class Prompts:
     """Prompt windows of ``length`` bases: drawn uniformly from store regions (at most
     ``max_n_frac`` N), or the records of a FASTA in turn (their first ``length`` bases)."""
@@ -90,11 +95,18 @@ class Prompts:
 
             path = cfg.path(p.fasta)
             for record in read_fasta(str(path)):
-                tokens = record.token_array()[: p.length]
+                tokens = np.asarray(record.token_array()[: p.length])
                 if len(tokens) < p.length:
                     raise InputError(f"record holds {len(tokens):,} bases, fewer than "
                                      f"prompt.length ({p.length:,})", path, record.name)
-                self.fixed.append(np.asarray(tokens))
+                # the rule store windows are drawn by (a prompt of 76 N was used): a record is
+                # not drawn again, so one over the limit is refused
+                if not usable(tokens, p.max_n_frac):
+                    n = int((tokens >= N_BASES).sum())
+                    raise InputError(f"the prompt (its first {p.length:,} bases) holds {n:,} N "
+                                     f"({n / p.length:.0%}), more than prompt.max_n_frac "
+                                     f"({p.max_n_frac:.0%}) allows", path, record.name)
+                self.fixed.append(tokens)
             if not self.fixed:
                 raise InputError("holds no records", path)
         else:
@@ -118,7 +130,7 @@ class Prompts:
             tokens, start, end = self.spans[which]
             at = int(rng.integers(start, end - self.length + 1))
             window = np.asarray(tokens[at : at + self.length])
-            if (window >= N_BASES).mean() <= self.max_n and not (window > N).any():
+            if usable(window, self.max_n):
                 return window
         raise InputError(f"no prompt window of {self.length:,} bases with at most "
                          f"{self.max_n:.0%} N in 1,000 draws; raise prompt.max_n_frac or choose "

@@ -71,12 +71,11 @@ def batch_metrics(groups: list[Rollout]) -> dict[str, float]:
 def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
     """Run the RL job ``cfg``; writes its folder ``cfg.out`` and an MLflow run. Started by a
     launcher on two ranks (``torchrun --nnodes 2 --nproc-per-node 1``), rank 0 trains and
-    returns the result, rank 1 generates and returns None."""
-    from tqdm.auto import tqdm
-
-    from megabase.eval.tracking import open_run
-    from megabase.infer.common import check_output_dir, load_model
-    from megabase.model.checkpoint import save_checkpoint
+    returns the result, rank 1 generates and returns None. ``cfg.out`` has one job at a time
+    (a second is refused, naming the first's pid), and its ``checkpoint/`` is replaced only
+    when ``megabase rl`` wrote it."""
+    from megabase.data.locks import holding
+    from megabase.infer.common import check_output_dir
     from megabase.pipeline.checkpointing import resolve_checkpoint
 
     started = time.perf_counter()
@@ -89,6 +88,46 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
         generator_main(cfg, checkpoint)
         return None
     out = check_output_dir(cfg.path(cfg.out))
+    # one writer per out folder, as a run folder has: two jobs on one out both ended with exit 0,
+    # the first's printed checkpoint holding the second's policy
+    with holding(out, f"the rl out folder {out.name!r}", instead="set another out"):
+        check_checkpoint_folder(out / "checkpoint")
+        return _rl(cfg, checkpoint, out, progress, started)
+
+
+def check_checkpoint_folder(path: Path) -> None:
+    """``out/checkpoint`` is replaced whole when the job ends: refuse before any work when it
+    is there and is not a checkpoint ``megabase rl`` wrote (a folder of the user's, a run's
+    checkpoint, one with files added)."""
+    from megabase.data.locks import READERS
+    from megabase.model.checkpoint import CONFIG, WEIGHTS, read_checkpoint_config
+
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        why = "is not a folder megabase rl wrote"
+    elif others := sorted(p.name for p in path.iterdir()
+                          if p.name not in (CONFIG, WEIGHTS, READERS)):  # READERS: evaluate's
+        why = f"holds {others[0]!r}, which megabase rl did not write"
+    else:
+        try:
+            why = None if "rl" in read_checkpoint_config(path) else \
+                "is a checkpoint megabase rl did not write"
+        except InputError:
+            why = "is not a checkpoint megabase rl wrote"
+    if why is not None:
+        raise InputError(f"{why}; the job would replace it whole: move it or choose another "
+                         "{out}", path, options=("out",))
+
+
+def _rl(cfg: RLConfig, checkpoint: str, out: Path, progress: bool,
+        started: float) -> RLResult:
+    """The trainer's side of :func:`rl`, with ``out`` locked."""
+    from megabase.data.progress import progress as progress_bar
+    from megabase.eval.tracking import open_run
+    from megabase.infer.common import load_model
+    from megabase.model.checkpoint import save_checkpoint
+
     model = load_model(checkpoint)
     prompts = Prompts(cfg)  # bad prompts: refused here, before a process starts
     probe = Scorer(cfg)
@@ -113,7 +152,8 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
     try:
         source = AsyncGenerator(cfg, checkpoint) if cfg.asynchronous else \
             SyncGenerator(cfg, trainer.policy, scorer=probe, prompts=prompts)
-        with tqdm(total=cfg.steps, unit="step", desc="rl", disable=not progress) as bar:
+        # a bar on a terminal, a line every 30 s in a log (a cluster job's stderr)
+        with progress_bar(cfg.steps, "rl", unit="step", enabled=progress) as bar:
             for step in range(cfg.steps):
                 if deadline is not None and time.perf_counter() > deadline:
                     break
@@ -139,8 +179,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
                     recent = [h["reward"] for h in history[-5:]]
                     if len(recent) == 5 and np.mean(recent) >= cfg.target_reward:
                         reached = metrics["seconds"]
-                bar.set_postfix(reward=f"{metrics['reward']:.2f}", kl=f"{metrics['kl_start']:.4f}")
-                bar.update(1)
+                bar.update(1, note=f"reward {metrics['reward']:.2f}, kl {metrics['kl_start']:.4f}")
     except BaseException as exc:
         client.set_terminated(target["run_id"], "KILLED" if isinstance(exc, KeyboardInterrupt)
                               else "FAILED")
@@ -149,9 +188,9 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
         if source is not None:
             source.close()
     seconds = time.perf_counter() - started
-    ckpt = save_checkpoint(trainer.policy, out / "checkpoint",
-                           extra={"rl": cfg.to_dict() | {"base": None}, "started_from": checkpoint,
-                                  "steps": len(history)})
+    ckpt = save_checkpoint(trainer.policy, out / "checkpoint",  # config.json: strict JSON too
+                           extra=finite({"rl": cfg.to_dict() | {"base": None},
+                                         "started_from": checkpoint, "steps": len(history)}))
     result = RLResult(out, len(history), seconds, history, staleness.summary(), Path(ckpt),
                       seconds_to_target=reached, run_id=target["run_id"])
     result.files = _write(out, result, cfg, last_groups)
@@ -193,11 +232,28 @@ def _log(client, run_id: str, metrics: dict, step: int) -> None:
     client.log_batch(run_id, metrics=rows)
 
 
+def finite(obj):
+    """``obj`` (dicts, lists, numbers) with every NaN or infinite float as None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON that strict parsers read: no bare ``NaN``/``Infinity`` (a figure with no value,
+    e.g. the mismatch of a step with no base under the trainer's weights, is ``null``)."""
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
 def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) -> dict[str, str]:
     from megabase.data.atomic import write_atomic
 
     files = {}
-    lines = "".join(json.dumps(h) + "\n" for h in result.history)
+    lines = "".join(strict_json(h) + "\n" for h in result.history)
     files["metrics"] = str(write_atomic(out / "metrics.jsonl", lines.encode()))
     summary = {"name": cfg.name, "steps": result.steps, "seconds": result.seconds,
                "asynchronous": cfg.asynchronous, "routing_replay": cfg.routing_replay,
@@ -222,7 +278,7 @@ def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) ->
         if any(key in h for h in result.history):
             summary[key] = result.mean(key)
     files["summary"] = str(write_atomic(out / "summary.json",
-                                        (json.dumps(summary, indent=1) + "\n").encode()))
+                                        (strict_json(summary, indent=1) + "\n").encode()))
     fasta = []
     for g in groups:
         for i, row in enumerate(g.tokens[:, g.prompt_len :].tolist()):

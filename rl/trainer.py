@@ -9,6 +9,8 @@ import math
 import numpy as np
 import torch
 
+from megabase.pipeline.errors import TrainingError
+
 from .config import RLConfig
 from .loss import LN2, group_advantages, mismatch, rl_loss
 from .replay import taped
@@ -54,6 +56,27 @@ def merge(groups: list[Rollout]) -> dict:
             "versions": torch.cat([g.versions for g in groups]),
             "rewards": torch.cat([g.rewards for g in groups]),
             "routing": routing, "prompt_len": groups[0].prompt_len}
+
+
+class Diverged(TrainingError):
+    """The loss, the gradient or the policy's weights became NaN or infinite at trainer step
+    ``step`` (1-based); the job stops and the policy is never saved (exit 3)."""
+
+    def __init__(self, what: str, step: int, lr: float):
+        super().__init__(f"{what} at step {step}; stopped, the policy was not saved (lr is "
+                         f"{lr:g}: a lower one may help)")
+        self.step = step
+
+
+def first_nonfinite(model) -> str | None:
+    """``"name (k of n values)"`` of the first parameter of ``model`` holding a NaN or an
+    infinity; None when all are finite."""
+    params = [(name, p) for name, p in model.named_parameters()]
+    finite = torch.stack([torch.isfinite(p).all() for _, p in params])  # one sync, not one each
+    if bool(finite.all()):
+        return None
+    name, p = params[int((~finite).nonzero()[0])]
+    return f"{name} ({int((~torch.isfinite(p)).sum()):,} of {p.numel():,} values)"
 
 
 class Trainer:
@@ -109,10 +132,20 @@ class Trainer:
             for k, v in mismatch(other, b["behaviour"]).items():
                 metrics[f"mismatch_inflight_{tag}/{k}"] = v
             metrics[f"mismatch_{tag}/routing_differs"] = other_flips
+        # a NaN or infinity anywhere stops the job: an update with it spreads to every weight,
+        # and a policy of NaN must never reach the generator or the checkpoint
+        step = self.version + 1
+        if not torch.isfinite(parts.loss):
+            raise Diverged(f"the loss became {float(parts.loss)}", step, cfg.lr)
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+        if not torch.isfinite(norm):
+            raise Diverged(f"the gradient's norm became {float(norm)}", step, cfg.lr)
         self.optimizer.step()
+        broken = first_nonfinite(self.policy)
+        if broken is not None:
+            raise Diverged(f"the policy's weights became non-finite in {broken}", step, cfg.lr)
         self.version += 1
         rewards = b["rewards"].double()
         metrics.update({

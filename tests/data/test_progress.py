@@ -33,3 +33,18 @@ def test_unknown_total_and_the_period_from_the_environment(monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("megabase: reading: 1 records, ") and "ETA" not in err[0]
     assert err[-1].startswith("megabase: reading: 3 records done in ")
+
+
+def test_a_note_ends_each_line_and_the_latest_wins():
+    import io
+
+    from megabase.data.progress import progress
+
+    stream = io.StringIO()
+    with progress(3, "rl", unit="step", every_s=0, stream=stream) as bar:
+        bar.update(1, note="reward 0.10")
+        bar.update(1)
+        bar.update(1, note="reward 0.30")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith(", reward 0.10") and lines[1].endswith(", reward 0.10")
+    assert lines[2].endswith(", reward 0.30") and lines[3].startswith("megabase: rl: 3 steps done")

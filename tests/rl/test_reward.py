@@ -103,6 +103,11 @@ def test_a_callable_reward_from_a_file(tmp_path):
     ("x = 1\n", "r.py:reward", "has no function 'reward'"),
     ("", "missing.py:reward", "file not found"),
     ("", "no_colon", "expected module:function"),
+    # issue 40: sys.exit(0) at import ended `megabase rl` with 0 and no output at all
+    ("import sys\nsys.exit(0)\n", "r.py:reward", r"r\.py called sys\.exit\(0\) when imported"),
+    ("raise SystemExit('bye')\n", "r.py:reward", r"r\.py called sys\.exit\('bye'\) when imported"),
+    ("import sys\ndef reward(seqs):\n    sys.exit(3)\n", "r.py:reward",
+     r"'r\.py:reward' called sys\.exit\(3\) when called"),
 ])
 def test_bad_reward_code_is_one_line(tmp_path, code, spec, message):
     (tmp_path / "r.py").write_text(code)
@@ -114,3 +119,23 @@ def test_bad_reward_code_is_one_line(tmp_path, code, spec, message):
 def test_unknown_motif_is_refused():
     with pytest.raises(InputError, match="MA9999.9"):
         MotifReward(RewardConfig(motifs=["MA9999.9"]))
+
+
+@pytest.mark.parametrize("values, message", [
+    # issue 40: a NaN reward's message quoted the count ("got 2"), not the value
+    ("[0.0, float('nan'), 0.0]", "got nan for sequence 2 of 3"),
+    # +-1e39 is finite in float64 and infinite in float32, where rewards travel and train
+    ("[1e39, 0.0, -1e39]", r"got 1e\+39 for sequence 1 of 3 \(2 such values\)"),
+    ("[0.0, 0.0, -3.5e38]", r"got -3\.5e\+38 for sequence 3 of 3"),
+])
+def test_a_reward_that_is_not_finite_in_float32_is_named(tmp_path, values, message):
+    (tmp_path / "r.py").write_text(f"def reward(seqs):\n    return {values}\n")
+    with pytest.raises(InputError, match=message) as info:
+        CallableReward("r.py:reward", tmp_path)(np.zeros((3, 10), dtype=np.int64))
+    assert "'r.py:reward'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_largest_float32_reward_is_kept(tmp_path):
+    (tmp_path / "r.py").write_text("def reward(seqs):\n    return [3.4e38, -3.4e38]\n")
+    out = CallableReward("r.py:reward", tmp_path)(np.zeros((2, 10), dtype=np.int64))
+    assert out.tolist() == [3.4e38, -3.4e38]

@@ -8,17 +8,26 @@ import pytest
 from megabase.pipeline.cli import main
 
 
+def strict(text: str):
+    """JSON as strict parsers read it: a bare NaN or Infinity (Python's extension) is refused."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_rl_runs_and_records(config, asynchronous, capsys):
+def test_rl_runs_and_records(config, asynchronous, capsys, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from megabase.model import load_checkpoint
 
+    monkeypatch.setenv("MEGABASE_PROGRESS_EVERY_S", "0")  # a progress line after every step
     path = config(f"rl-{asynchronous}.yaml", asynchronous=asynchronous, out=f"out-{asynchronous}")
-    assert main(["rl", "--config", str(path), "--quiet"]) == 0
+    assert main(["rl", "--config", str(path)]) == 0  # stderr is not a terminal here: a log's lines
     out = path.parent / f"out-{asynchronous}"
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = strict((out / "summary.json").read_text())
+    rows = [strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(rows) == 3
     lags = summary["staleness"]["lag_histogram"]
     assert summary["staleness"]["kept"] == 6 and summary["staleness"]["dropped"] == 0
@@ -37,7 +46,18 @@ def test_rl_runs_and_records(config, asynchronous, capsys):
                              f"tags.`megabase.kind` = 'rl' and params.`rl.out` = '{out}'")[0]
     assert len(client.get_metric_history(run.info.run_id, "rl/reward")) == 3
     assert run.info.status == "FINISHED"
-    assert "rl: 3 steps" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "rl: 3 steps" in captured.out
+    lines = [line for line in captured.err.splitlines() if line.startswith("megabase: rl: ")]
+    assert [line.split(" steps")[0] for line in lines[:3]] == [f"megabase: rl: {i}/3"
+                                                                 for i in (1, 2, 3)]
+    assert lines[-1].startswith("megabase: rl: 3 steps done in"), captured.err
+    # the policy evaluated (evaluate leaves its readers' hold file there) is still rl's own
+    from megabase.data.locks import hold_reading, release_reading
+    from megabase.rl.run import check_checkpoint_folder
+
+    release_reading(hold_reading(out / "checkpoint"))
+    check_checkpoint_folder(out / "checkpoint")
 
 
 @pytest.mark.parametrize("sets, message", [
