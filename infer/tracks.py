@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +71,8 @@ def write_bigwig(path: str | Path, tracks: list[tuple[Interval, np.ndarray]],
     store's order)."""
     pyBigWig = require_pybigwig()
     tracks = _ordered(tracks, list(sizes))
-    with writing(path) as tmp:
+
+    def write(tmp: Path) -> None:
         bw = pyBigWig.open(str(tmp), "w")
         try:
             bw.addHeader(list(sizes.items()), maxZooms=10)
@@ -78,4 +82,36 @@ def write_bigwig(path: str | Path, tracks: list[tuple[Interval, np.ndarray]],
                                   span=1, step=1)
         finally:
             bw.close()
+
+    with writing(path) as tmp:
+        in_child(write, tmp, Path(path))
     return Path(path)
+
+
+def in_child(write, tmp: Path, target: Path) -> None:
+    """``write(tmp)`` in a forked process where fork exists: libBigWig does not check its writes,
+    so a full disk or a file-size limit crashed the whole command (SIGSEGV, nothing said). A
+    child that dies or fails is an OSError naming ``target``."""
+    if not hasattr(os, "fork"):
+        write(tmp)
+        return
+    pid = os.fork()
+    if pid == 0:  # the child: no torch work here, only the writer's C calls
+        code = 0
+        try:
+            # libBigWig's and glibc's own words on a failed write would break the one line
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            write(tmp)
+        except OSError as exc:
+            code = exc.errno or errno.EIO
+        except BaseException:
+            code = 255
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise OSError(errno.EIO, f"the bigWig writer died ({signal.Signals(os.WTERMSIG(status)).name}"
+                      "): is the disk full, or a file-size limit set?", str(target))
+    code = os.WEXITSTATUS(status)
+    if code:
+        reason = os.strerror(code) if code != 255 else "the bigWig writer failed"
+        raise OSError(code if code != 255 else errno.EIO, reason, str(target))

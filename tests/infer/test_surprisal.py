@@ -203,3 +203,22 @@ def test_scoring_progress_reaches_a_log_file_as_lines(checkpoint, bundled_store,
     lines = [line for line in err.splitlines() if line.startswith("megabase: score: ")]
     assert re.match(r"megabase: score: [\d,]+/6,000 bases \(\d+%\), ", lines[0]), err
     assert lines[-1].startswith("megabase: score: 6,000 bases done in ") and "\r" not in err
+
+
+def test_a_full_disk_while_writing_a_bigwig_is_one_line(checkpoint, bundled_store, tmp_path):
+    """libBigWig does not check its writes: under a file-size limit the command died (SIGSEGV,
+    nothing said, a temporary left)."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "tracks"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # noqa: E731
+    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "score", "--checkpoint",
+                           str(checkpoint), "--data", str(bundled_store.path), "--regions",
+                           "chr22:1-20,000", "--format", "bigwig", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, preexec_fn=limit)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, (proc.returncode, err[-3000:])
+    assert err.startswith(f"megabase score: error: {out / 'surprisal.bw'}: "), err
+    assert not [p for p in out.iterdir() if p.name != ".score.lock"] if out.exists() else True
