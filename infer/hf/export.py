@@ -143,9 +143,11 @@ def _scored_this(report: dict, checkpoint: Path) -> tuple[bool, str]:
 
 def find_report(checkpoint: Path) -> Path | None:
     """The evaluation report of this checkpoint in its run folder (``runs/NAME/eval/report.json``
-    or ``CHECKPOINT/eval/report.json`` that scored this checkpoint), if there is one."""
-    for folder in (checkpoint.parent.parent, checkpoint.parent, checkpoint):
-        path = folder / "eval" / "report.json"
+    as ``megabase run`` writes it, ``runs/NAME/eval/step-N/report.json`` as ``evaluate`` of a run's
+    checkpoint does, or ``CHECKPOINT/eval/report.json``) that scored this checkpoint, if any."""
+    for path in (checkpoint.parent.parent / "eval" / checkpoint.name / "report.json",
+                 *(folder / "eval" / "report.json"
+                   for folder in (checkpoint.parent.parent, checkpoint.parent, checkpoint))):
         if path.is_file():
             try:
                 report = json.loads(path.read_text())

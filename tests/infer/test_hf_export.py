@@ -359,3 +359,18 @@ def test_bad_input_is_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no half-written folder
     if case == "foreign_out":
         assert (out / "mine.txt").read_text() == "keep me"
+
+
+def test_the_report_evaluate_writes_for_a_run_checkpoint_is_found(checkpoint, bundled_store,
+                                                                  tmp_path):
+    import shutil
+
+    from megabase.infer.hf.export import find_report
+
+    ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step-000002"
+    shutil.copytree(checkpoint, ckpt)
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(bundled_store.path),
+                 "--regions", "chr22:1-4,000", "--length", "2048", "--controls", "",
+                 "--baselines", "", "--no-copy", "--no-probe", "--bootstrap", "20", "--quiet",
+                 "--no-mlflow"]) == 0
+    assert find_report(ckpt) == tmp_path / "runs" / "r" / "eval" / "step-000002" / "report.json"
