@@ -499,16 +499,21 @@ CONFIG_KEYS = {"length": "data.window_length", "stride": "data.stride",
 RL_KEYS = {"regions": "prompt.regions", "dsa_stage": "checkpoint"}
 
 
-def share_cores() -> None:
-    """Let torch's OpenMP threads sleep when they have no work, unless the user chose otherwise.
+# libgomp's threads (torch's on Linux) spin 300,000 rounds before they sleep; 10,000 costs
+# nothing alone and gives most of sleeping's gain beside another job (benchmarks/bench_threads.py)
+SPINCOUNT = "10000"
 
-    By default an idle OpenMP thread spins before it sleeps: alone on a machine that costs a
-    little CPU, but beside another job on the same cores the spinners take the cores that job's
-    threads wait for (the demo beside other work: 2,183 CPU-seconds for 875 alone). Measured by
-    ``benchmarks/bench_threads.py``. Read when torch loads its OpenMP runtime, so it is set first.
+
+def share_cores() -> None:
+    """Let torch's idle OpenMP threads spin only briefly before they sleep, unless the user chose.
+
+    At OpenMP's default a thread with no work spins for a while: alone that costs nothing, but
+    beside another job on the same cores the spinners take the cores that job's threads wait for
+    (the demo beside other work: 2,183 CPU-seconds for 875 alone). Read when torch loads its
+    OpenMP runtime, so it is set before torch is imported.
     """
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
 
 
 def main(argv: list[str] | None = None) -> int:

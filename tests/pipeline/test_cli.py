@@ -52,13 +52,13 @@ def test_error_exit_status_and_single_line(tmp_path):
         f"megabase prepare: error: {tmp_path / 'missing.fa'}: no such file"]
 
 
-def test_the_cli_lets_idle_threads_sleep_unless_told_otherwise():
+def test_the_cli_lets_idle_threads_sleep_soon_unless_told_otherwise():
     # spinning OpenMP threads took the cores of a job beside them (benchmarks/bench_threads.py)
     probe = ("import os; from megabase.pipeline import cli; cli.share_cores(); import torch; "
-             "print(os.environ.get('OMP_WAIT_POLICY'))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert got.stdout.strip() == "PASSIVE", got.stderr[-2000:]
-    mine = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "active"},
-                          capture_output=True, text=True)
-    assert mine.stdout.strip() == "active"
+             "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for given, expected in (({}, "10000 None"), ({"OMP_WAIT_POLICY": "active"}, "None active"),
+                            ({"GOMP_SPINCOUNT": "5"}, "5 None")):
+        got = subprocess.run([sys.executable, "-c", probe], env={**env, **given},
+                             capture_output=True, text=True)
+        assert got.stdout.strip() == expected, (given, got.stderr[-2000:])
