@@ -51,12 +51,12 @@ def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
     from megabase.eval.evaluate import check_apart, evaluate
     from megabase.model import read_checkpoint_config
 
-    from .checkpointing import latest_checkpoint, saved_step
-    from .train import check_resume, train
+    from .plan import RunPlan, resume_point
+    from .train import fit_plan
     from .workdir import ensure_store, ensure_windows, run_dir, windows_path
 
-    if latest_checkpoint(run_dir(cfg), fallback=True) is not None:
-        check_resume(run_dir(cfg), cfg)  # before anything of this run is written
+    out = run_dir(cfg)
+    point = resume_point(cfg, out, resume=True)  # `run` resumes on its own; refused before writing
     stages = {}
     store, prepared = ensure_store(cfg, progress)
     stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"
@@ -71,16 +71,14 @@ def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
             key = "eval.train" if cfg.eval.train else "data.train"
             raise InputError(exc.what.replace("{train}", key), exc.path, exc.record) from None
 
-    out = run_dir(cfg)
-    ckpt = latest_checkpoint(out, fallback=True)  # `run` resumes on its own
-    done = saved_step(ckpt) if ckpt is not None else 0
-    if ckpt is not None and done >= cfg.train.steps:
-        stages["train"] = f"skipped (checkpoint at step {done})"
+    ckpt = point.checkpoint
+    if ckpt is not None and point.step >= cfg.train.steps:
+        stages["train"] = f"skipped (checkpoint at step {point.step})"
         history = []
         meta = read_checkpoint_config(ckpt).get("mlflow", {})
         uri, run_id = meta.get("tracking_uri", cfg.tracking_uri()), meta.get("run_id", "")
     else:
-        result = train(cfg, resume=ckpt is not None, progress=progress)
+        result = fit_plan(RunPlan(cfg, out, store, bed, point), progress)
         stages["train"] = f"resumed from step {result.resumed_from}" if result.resumed_from \
             else "done"
         ckpt, history, uri, run_id = result.checkpoint, result.history, result.tracking_uri, \

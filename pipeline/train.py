@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
 from megabase.data.atomic import write_atomic
-from megabase.data.errors import InputError
 
 from .config import RunConfig, check_init_from, dump_config, flat_params, model_config
+from .plan import RunPlan, resume_point
 
 
 class TrainingStream(torch.utils.data.Sampler[int]):
@@ -119,7 +119,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
 
     from megabase.data.locks import holding
 
-    from .workdir import run_dir
+    from .workdir import ensure_windows, open_store, run_dir
 
     started = time.perf_counter()
     check_init_from(cfg)
@@ -127,41 +127,36 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     zero = rank_zero_only.rank == 0  # only rank 0 writes files and talks to MLflow
     # one writer per run folder: the ranks it starts are its own (and hold no lock)
     with holding(out, f"run {cfg.name!r}") if zero else contextlib.nullcontext():
-        return _train(cfg, out, zero, resume, progress, started)
+        point = resume_point(cfg, out, resume)  # refused before any of the run's files is written
+        store = open_store(cfg)
+        plan = RunPlan(cfg, out, store, ensure_windows(cfg, store), point)
+        return fit_plan(plan, progress, started)
 
 
-def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
-           started: float) -> TrainResult:
+def fit_plan(plan: RunPlan, progress: bool = True, started: float | None = None) -> TrainResult:
+    """Train the resolved run ``plan`` (:mod:`.plan`) to ``train.steps``; the caller holds the
+    run's lock (rank 0)."""
     from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.utilities import rank_zero_only
 
     from megabase.data import WindowDataset
     from megabase.eval.tracking import (
         experiment_id, quiet_libraries, resolve_tracking_uri, retry_locked,
     )
-    from megabase.model import build_model, load_checkpoint, read_checkpoint_config
+    from megabase.model import build_model, load_checkpoint
 
     from .checkpointing import (
         DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, resolve_checkpoint,
-        resumable_state,
     )
     from .distributed import trainer_kwargs
     from .lit import LitLM, LogProgress, StepLog
-    from .workdir import ensure_windows, open_store, relocate_artifacts
+    from .workdir import relocate_artifacts
 
-    store = open_store(cfg)
-    bed = ensure_windows(cfg, store)
-    ckpt = latest_checkpoint(out, fallback=resume)
-    if ckpt is not None and not resume:
-        raise InputError(f"run {cfg.name!r} already has checkpoints; pass --resume to continue it "
-                         "or set name to start another", out)
+    started = time.perf_counter() if started is None else started
+    cfg, out, store, bed = plan.cfg, plan.out, plan.store, plan.windows
+    ckpt, start_step, run_id = plan.resume.checkpoint, plan.resume.step, plan.resume.run_id
+    zero = rank_zero_only.rank == 0
     per_step = cfg.train.batch_size * cfg.train.grad_accum
-    start_step, run_id = 0, None
-    if ckpt is not None:
-        check_resume(out, cfg)
-        state, ckpt = resumable_state(out, ckpt)
-        start_step = int(state["global_step"])
-        check_data_position(ckpt, state, start_step * per_step, cfg.train.seed)
-        run_id = read_checkpoint_config(ckpt).get("mlflow", {}).get("run_id")
     out.mkdir(parents=True, exist_ok=True)
     if zero:
         write_atomic(out / "config.yaml", dump_config(cfg).encode())
@@ -253,40 +248,6 @@ def _train(cfg: RunConfig, out: Path, zero: bool, resume: bool, progress: bool,
     return TrainResult(out, final, steps, lit.history, uri, run_id,
                        time.perf_counter() - started, start_step,
                        planned_steps=t.steps if steps < t.steps else None)
-
-
-def check_resume(out: Path, cfg: RunConfig) -> None:
-    """A resume keeps what makes the run one run: settings that change the model or its data
-    stream refuse in one line listing what differs; the others (steps, minutes, evaluation...)
-    are what the new ``config.yaml`` records."""
-    import yaml
-
-    from .config import resume_differences
-
-    path = out / "config.yaml"
-    if not path.is_file():
-        return
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"cannot read the run's config ({exc})", path) from None
-    refused, _ = resume_differences(saved if isinstance(saved, dict) else {}, cfg)
-    if refused:
-        raise InputError(f"run {cfg.name!r} was started with other settings ({'; '.join(refused)}); "
-                         "resume it with its own, or set another name (--set name=...) to start a "
-                         "new run", path)
-
-
-def check_data_position(ckpt: Path, state: dict, expected: int, seed: int) -> None:
-    """The checkpoint's saved sample position (``state``: its trainer state) must match what its
-    step implies under this config: a resume with another batch size, accumulation or seed would
-    replay other data."""
-    saved = state.get("megabase_data", {})
-    if saved and (saved["samples_consumed"] != expected or saved["seed"] != seed):
-        raise InputError(f"checkpoint consumed {saved['samples_consumed']} samples with seed "
-                         f"{saved['seed']}, but this config implies {expected} with seed {seed}: "
-                         "resume with the batch size, grad_accum and seed it was trained with",
-                         ckpt)
 
 
 def read_train_log(run: Path) -> dict[int, dict]:
