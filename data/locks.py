@@ -4,8 +4,7 @@ A lock is ``fcntl.flock`` on a small file beside what it guards (``.<name>.lock`
 holder's pid and command, so the one refused can say who holds it. The kernel drops the lock when
 its holder exits, however it exits (a SIGKILL or a crash leaves no stale lock, only a file that
 the next holder takes over); a holder that ends normally removes the file. Locks are reentrant
-within a process, because ``megabase run`` holds its run's lock around ``train``, which takes it
-too.
+within a process: a holder may call code that takes the same lock.
 
 Readers take shared holds instead (:func:`hold_reading`): ``evaluate`` holds the checkpoint it
 reads, and checkpoint rotation (:func:`remove_unless_read`) skips a folder any reader holds.
@@ -16,12 +15,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .atomic import temp_prefix
 from .errors import InputError
 
 _held: dict[str, tuple[int, int]] = {}  # lock path -> (fd, depth) held by this process
@@ -150,16 +152,6 @@ def release_reading(fd: int | None) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
-@contextmanager
-def reading(folder: str | Path) -> Iterator[Path]:
-    """:func:`hold_reading` of ``folder`` for the block."""
-    fd = hold_reading(folder)
-    try:
-        yield Path(folder)
-    finally:
-        release_reading(fd)
-
-
 def remove_unless_read(folder: str | Path) -> bool:
     """Remove ``folder`` unless a reader holds it (:func:`hold_reading`); True when it is gone.
 
@@ -167,11 +159,6 @@ def remove_unless_read(folder: str | Path) -> bool:
     ``data.atomic.remove_stale_temps`` clears if this process dies midway), under an exclusive
     hold, so a reader either holds it before (and it stays) or finds it gone; never a half-removed
     folder, nor one re-created around a new hold file."""
-    import shutil
-    import tempfile
-
-    from .atomic import temp_prefix
-
     folder = Path(folder)
     try:
         fd = os.open(folder / READERS, os.O_RDWR | os.O_CREAT, 0o644)

@@ -469,12 +469,11 @@ def _tracking_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _whole(text: str, least: int = 0) -> int:
-    from .config import parse_number
+    from .config import comma_hint, parse_number
 
     value = parse_number(text, int)
     if value is None:
-        comma = " (a comma may only separate thousands, as in 65,536)" if "," in text else ""
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}{comma}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}{comma_hint(text)}")
     if value < least:
         raise argparse.ArgumentTypeError(f"must be {'positive' if least else 'at least 0'}, "
                                          f"got {value}")

@@ -163,7 +163,7 @@ def _convert(value, hint, where: str, source: str):
         number = parse_number(value, hint)
         if number is None:
             raise InputError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
-                             f"got {_short(value)}{_comma_hint(value)}", source)
+                             f"got {_short(value)}{comma_hint(value)}", source)
         if not math.isfinite(number):
             raise InputError(f"{where} must be a finite number, got {value!r}", source)
         return number
@@ -199,7 +199,8 @@ def parse_number(value, kind: type = int):
         return None
 
 
-def _comma_hint(value) -> str:
+def comma_hint(value) -> str:
+    """Why a number with a comma was refused (empty when it has none)."""
     if "," not in str(value):
         return ""
     return (" (a comma may only separate the thousands of a whole number, as in 65,536; write "

@@ -172,21 +172,26 @@ def test_a_second_score_into_a_busy_out_is_refused(checkpoint, bundled_store, tm
     assert not out.exists()  # made by the first, which wrote nothing in it
 
 
-def test_a_full_disk_while_writing_tracks_keeps_the_earlier_run_whole(checkpoint, bundled_store,
-                                                                      tmp_path, capsys):
+def _score_under_limit(checkpoint, store, out, limit: int, *flags):
+    """``megabase score`` in a process whose files may grow to ``limit`` bytes (a full disk)."""
     import resource
     import subprocess
     import sys
 
+    return subprocess.run(
+        [sys.executable, "-m", "megabase.pipeline.cli", "score", "--checkpoint", str(checkpoint),
+         "--data", str(store.path), *flags, "--out", str(out), "--quiet"], capture_output=True,
+        text=True, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+
+
+def test_a_full_disk_while_writing_tracks_keeps_the_earlier_run_whole(checkpoint, bundled_store,
+                                                                      tmp_path, capsys):
     out = tmp_path / "tracks"
     assert _score(checkpoint, bundled_store, out, "--regions", "chr22:1-1,000", "--entropy",
                   "--format", "bedgraph") == 0
     earlier = {p.name: p.read_bytes() for p in out.iterdir()}
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # noqa: E731
-    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "score", "--checkpoint",
-                           str(checkpoint), "--data", str(bundled_store.path), "--regions",
-                           "chr22:1-3,000", "--format", "bedgraph", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, preexec_fn=limit)
+    proc = _score_under_limit(checkpoint, bundled_store, out, 50_000, "--regions", "chr22:1-3,000",
+                              "--format", "bedgraph")
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1, err[-3000:]
     assert err == f"megabase score: error: {out / 'surprisal.bedgraph'}: File too large"
@@ -208,17 +213,11 @@ def test_scoring_progress_reaches_a_log_file_as_lines(checkpoint, bundled_store,
 def test_a_full_disk_while_writing_a_bigwig_is_one_line(checkpoint, bundled_store, tmp_path):
     """libBigWig does not check its writes: under a file-size limit the command died (SIGSEGV,
     nothing said, a temporary left)."""
-    import resource
-    import subprocess
-    import sys
-
     out = tmp_path / "tracks"
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # noqa: E731
-    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli", "score", "--checkpoint",
-                           str(checkpoint), "--data", str(bundled_store.path), "--regions",
-                           "chr22:1-20,000", "--format", "bigwig", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, preexec_fn=limit)
+    proc = _score_under_limit(checkpoint, bundled_store, out, 20_000, "--regions",
+                              "chr22:1-20,000", "--format", "bigwig")
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1, (proc.returncode, err[-3000:])
     assert err.startswith(f"megabase score: error: {out / 'surprisal.bw'}: "), err
-    assert not [p for p in out.iterdir() if p.name != ".score.lock"] if out.exists() else True
+    left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert set(left) <= {".score.lock"}, left  # no temporary, no track
