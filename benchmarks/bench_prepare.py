@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GENOMES, machine, timeit  # noqa: E402
 
 from megabase.data import prepare  # noqa: E402
-from megabase.data.vocab import TOKEN_TABLE  # noqa: E402
+from megabase.core.vocab import TOKEN_TABLE  # noqa: E402
 
 
 def biopython_baseline(fasta: Path, out: Path) -> None:

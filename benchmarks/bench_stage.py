@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GENOMES, machine  # noqa: E402
 
-from megabase.data.vocab import SEP  # noqa: E402
+from megabase.core.vocab import SEP  # noqa: E402
 
 HELD_OUT = ("chr22", 40_000_000)  # human chr22 from 40 Mb: held out by the human protocol
 

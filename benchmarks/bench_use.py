@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-from megabase.data.vocab import SEP  # noqa: E402
+from megabase.core.vocab import SEP  # noqa: E402
 from megabase.model.layers import is_untiled as untiled_check  # noqa: E402
 
 

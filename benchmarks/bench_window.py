@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import GENOMES, machine, timeit  # noqa: E402
 
 from megabase.data import TokenStore, Window, WindowDataset, prepare  # noqa: E402
-from megabase.data.vocab import TOKEN_TABLE  # noqa: E402
+from megabase.core.vocab import TOKEN_TABLE  # noqa: E402
 
 L = 1_048_576
 

@@ -3,10 +3,10 @@
 torch is imported only by the dataset helpers, so ``prepare`` and ``windows`` start fast.
 """
 
-from .errors import InputError
+from megabase.core.errors import InputError
 from .names import Region, aliases, parse_region, resolve_name
 from .store import PrepareResult, TokenStore, prepare
-from .vocab import (
+from megabase.core.vocab import (
     N,
     PAD,
     SEP,

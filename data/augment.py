@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .vocab import N_BASES, PAD
+from megabase.core.vocab import N_BASES, PAD
 
 
 def plant_repeats(window: np.ndarray, rng: np.random.Generator, frac: float,

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InputError
+from megabase.core.errors import InputError
 from .store import TokenStore
-from .vocab import N_BASES, PAD, RC_LUT, SEP
+from megabase.core.vocab import N_BASES, PAD, RC_LUT, SEP
 from .windows import Window, select_windows
 
 

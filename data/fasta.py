@@ -18,8 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import InputError
-from .vocab import INVALID, TOKEN_TABLE
+from megabase.core.errors import InputError
+from megabase.core.vocab import INVALID, TOKEN_TABLE
 
 CHUNK = 1 << 20  # small enough that a block's passes (translate, mask, counts, hash) run in cache
 _INVALID = bytes([INVALID])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import InputError
+from megabase.core.errors import InputError
 from .store import TokenStore
 from .windows import Window, select_windows
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import InputError
+from megabase.core.errors import InputError
 
 _MITO = ("M", "MT")
 

@@ -3,7 +3,7 @@
 Layout of a store directory::
 
     manifest.json                 vocabulary, source (path, size, sha256), records (see below)
-    records/<name>.tokens.npy     uint8 [length]  token ids (megabase.data.vocab)
+    records/<name>.tokens.npy     uint8 [length]  token ids (megabase.core.vocab)
     records/<name>.mask.npy       bool  [length]  True where the FASTA had lower case (soft-masked)
 
 Each record entry holds ``name, description, length, n_count, softmasked, gc_count, tokens, mask,
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import building_dir, file_sha256, naming, remove_stale_temps
-from .errors import InputError
+from megabase.core.atomic import building_dir, file_sha256, naming, remove_stale_temps
+from megabase.core.errors import InputError
 from .fasta import Record, read_fasta
-from .locks import holding
+from megabase.core.locks import holding
 from .names import aliases, resolve_name
-from .vocab import N, vocab_dict
+from megabase.core.vocab import N, vocab_dict
 
 FORMAT = "megabase-token-store"
 VERSION = 1

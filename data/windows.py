@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_atomic
-from .errors import InputError
+from megabase.core.atomic import write_atomic
+from megabase.core.errors import InputError
 from .names import Region, parse_region
 from .store import TokenStore
-from .vocab import N
+from megabase.core.vocab import N
 
 SHORT_POLICIES = ("keep", "refuse")
 

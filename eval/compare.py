@@ -7,7 +7,7 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 from .report import series
 from .tracking import load_report

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 
 def _help(text: str) -> dict:

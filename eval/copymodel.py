@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megabase.data.vocab import N_BASES
+from megabase.core.vocab import N_BASES
 from megabase.kernels import native
 
 from .markov import MAX_ORDER, MarkovModel

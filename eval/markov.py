@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megabase.data.vocab import N_BASES
+from megabase.core.vocab import N_BASES
 
 MAX_ORDER = 14
 ALPHA = 0.5

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from megabase.data.progress import Progress
-from megabase.data.vocab import N_BASES
+from megabase.core.vocab import N_BASES
 
 from .bins import LN2
 

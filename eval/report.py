@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megabase.data.atomic import write_atomic
-from megabase.data.errors import InputError
+from megabase.core.atomic import write_atomic
+from megabase.core.errors import InputError
 from megabase.data.progress import Progress
 
 from .bins import BinAccumulator

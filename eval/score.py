@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from megabase.data.vocab import N_BASES, SEP
+from megabase.core.vocab import N_BASES, SEP
 
 Scorer = Callable[[np.ndarray], np.ndarray]
 

@@ -29,7 +29,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 from .report import check_report
 

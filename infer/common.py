@@ -87,7 +87,7 @@ def sole_writer(out: Path | None, command: str, names: tuple[str, ...] = ()) -> 
     """Hold the output folder ``out`` for ``megabase <command>`` for the block (None: nothing to
     hold): one such command writes into a folder at a time, so two runs never leave a mix of
     their files; a second one is refused at once, in one line naming the first. The lock
-    (``data.locks``, dropped by the kernel however its holder ends) is ``.<command>.lock`` inside
+    (``core.locks``, dropped by the kernel however its holder ends) is ``.<command>.lock`` inside
     ``out``, which is made here (and removed again if the command fails and leaves it empty):
     ``out`` is where the user may write, its parent need not be. Temporaries of the files
     ``names`` that a writer killed earlier left in ``out`` are cleared."""
@@ -96,8 +96,8 @@ def sole_writer(out: Path | None, command: str, names: tuple[str, ...] = ()) -> 
         return
     import glob
 
-    from megabase.data.atomic import remove_stale_temps
-    from megabase.data.locks import holding
+    from megabase.core.atomic import remove_stale_temps
+    from megabase.core.locks import holding
 
     out = Path(out)
     made = not out.exists()

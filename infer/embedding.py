@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from megabase.data import InputError, TokenStore
-from megabase.data.vocab import SEP
+from megabase.core.vocab import SEP
 
 from .common import (DEFAULT_SEGMENT, Interval, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions, sole_writer)
@@ -118,7 +118,7 @@ def _write_pair(out: Path, result: EmbedResult, features, rows) -> None:
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    from megabase.data.atomic import building_dir, retarget, writing
+    from megabase.core.atomic import building_dir, retarget, writing
 
     with writing(out / ARRAY) as array_tmp:
         with open(array_tmp, "wb") as fh:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from megabase.data import InputError, TokenStore
-from megabase.data.vocab import N_BASES, SEP, SYMBOLS
+from megabase.core.vocab import N_BASES, SEP, SYMBOLS
 
 from .common import (DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions)
@@ -113,7 +113,7 @@ def read_prompt(store: TokenStore | None, region: str | None, fasta: str | None)
 
 
 def write_fasta(path: Path, samples: list[Sample], header: str, width: int = 80) -> Path:
-    from megabase.data.atomic import write_atomic
+    from megabase.core.atomic import write_atomic
 
     lines = []
     for i, s in enumerate(samples):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megabase.data import TokenStore
-from megabase.data.vocab import N_BASES, SEP
+from megabase.core.vocab import N_BASES, SEP
 
 from .common import (DEFAULT_SEGMENT, LN2, Interval, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions, sole_writer, tokens_of)
@@ -144,7 +144,7 @@ def _write_tracks(out: Path, store: TokenStore, tracks: list[Track], entropy: bo
     last, so a folder with a manifest holds exactly that run's tracks."""
     from contextlib import ExitStack
 
-    from megabase.data.atomic import writing
+    from megabase.core.atomic import writing
 
     sizes = {name: store.length(name) for name in store.names}
     stems = {"surprisal": "bits", **({"entropy": "entropy"} if entropy else {})}

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from megabase.data import InputError
-from megabase.data.atomic import writing
+from megabase.core.atomic import writing
 
 from .common import Interval
 

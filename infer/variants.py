@@ -28,7 +28,7 @@ import torch
 
 from megabase.data import InputError, TokenStore
 from megabase.data.names import resolve_name
-from megabase.data.vocab import N_BASES, RC_LUT, SEP, tokenize
+from megabase.core.vocab import N_BASES, RC_LUT, SEP, tokenize
 
 from .common import check_output_dir, load_model, peak_rss_bytes, sole_writer
 
@@ -319,7 +319,7 @@ def _write(out: Path, source: _Source, variants: list[Variant], window: int,
     define get a ``##contig`` line with the store's length, so the output is indexable."""
     import pysam
 
-    from megabase.data.atomic import writing
+    from megabase.core.atomic import writing
 
     rows = ["#chrom\tpos\tid\tref\talt\tvcf_line\tllr_fwd\tllr_rev\tllr"]
     for v in variants:

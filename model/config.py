@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from megabase.data.errors import InputError
-from megabase.data.vocab import VOCAB_SIZE
+from megabase.core.errors import InputError
+from megabase.core.vocab import VOCAB_SIZE
 
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
@@ -30,7 +30,7 @@ class ModelConfig:
 
     d_model: int = 64
     n_layers: int = 4
-    vocab_size: int = 8  # the 7 tokens of megabase.data.vocab, padded to a multiple of 8
+    vocab_size: int = 8  # the 7 tokens of megabase.core.vocab, padded to a multiple of 8
     tie_embeddings: bool = False  # the head's 4 rows start at zero (untied) or are the bases' embeddings
     kmer_embed: int = 0  # the input also embeds the exact k-mers ending at each token, k = 2..kmer_embed
     norm_eps: float = 1e-6

@@ -16,7 +16,7 @@ from megabase.kernels.dsa import (
     sparse_attention,
 )
 
-from megabase.data.vocab import PAD
+from megabase.core.vocab import PAD
 
 from .cache import extend
 from .config import ModelConfig

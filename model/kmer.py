@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megabase.data.vocab import N_BASES, PAD
+from megabase.core.vocab import N_BASES, PAD
 
 
 class KmerEmbedding(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megabase.data.vocab import N_BASES
+from megabase.core.vocab import N_BASES
 from megabase.kernels.dsa import seed_keys
 
 from .attention import AttentionLayer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 from .config import ModelConfig
 

@@ -22,12 +22,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from megabase.data.atomic import remove_stale_temps, write_atomic
-from megabase.data.errors import InputError
-from megabase.data.locks import hold_reading, release_reading, remove_unless_read
+from megabase.core.atomic import remove_stale_temps, write_atomic
+from megabase.core.errors import InputError
+from megabase.core.locks import hold_reading, release_reading, remove_unless_read
 from megabase.model.checkpoint import WEIGHTS, save_checkpoint
 
-from .errors import CheckpointWriteError
+from megabase.core.errors import CheckpointWriteError
 
 TRAINER_STATE = "trainer.pt"
 LATEST = "latest"
@@ -92,7 +92,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 @contextmanager
 def held_checkpoint(path: str | Path, tries: int = 5) -> Iterator[Path]:
-    """:func:`resolve_checkpoint` of ``path``, held for the block (``data.locks.hold_reading``)
+    """:func:`resolve_checkpoint` of ``path``, held for the block (``core.locks.hold_reading``)
     so that the rotation of a run training meanwhile cannot remove it. When rotation removes a
     run folder's latest checkpoint before it is held, the new latest is taken (up to ``tries``
     times). A folder that is not there is yielded unheld: reading it gives the error."""

@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.eval.config import EvalConfig
 
 from . import summary
-from .errors import TrainingError
+from megabase.core.errors import TrainingError
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -166,7 +166,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     table = compare(args.refs, tracking_uri=args.tracking_uri, with_baselines=args.baselines)
     summary.print_compare(table)
     if args.csv:
-        from megabase.data.atomic import write_atomic
+        from megabase.core.atomic import write_atomic
 
         write_atomic(Path(args.csv), table.to_csv().encode())
         print(f"table written to {args.csv}")

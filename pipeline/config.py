@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.eval.config import EvalConfig
 
 PRECISIONS = ("fp32", "bf16")

@@ -16,7 +16,7 @@ from megabase.data.progress import Progress
 
 from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
-from .errors import TrainingDivergedError
+from megabase.core.errors import TrainingDivergedError
 
 
 COLLAPSE_RATIO = 3.0  # max/mean expert load above which a layer is reported as collapsing
@@ -150,7 +150,7 @@ class LitLM(pl.LightningModule):
         targets, loss_mask)``, drawn from (seed, step, micro-batch, data replica) so a resumed or
         context-parallel run plants the same copies."""
         from megabase.data.augment import plant_repeats
-        from megabase.data.vocab import N_BASES, SEP
+        from megabase.core.vocab import N_BASES, SEP
 
         d = self.cfg.data
         rng = np.random.default_rng((self.cfg.train.seed, self.global_step, micro,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.model import read_checkpoint_config
 
 from .checkpointing import latest_checkpoint, resumable_state

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 from .config import RunConfig, check_init_from
 
@@ -34,7 +34,7 @@ class RunResult:
 def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     """The whole job (see module docs); returns where everything is. The run folder is locked
     throughout: a second ``megabase run`` of the same config is refused, naming the first."""
-    from megabase.data.locks import holding
+    from megabase.core.locks import holding
 
     from .workdir import run_dir
 

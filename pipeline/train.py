@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
-from megabase.data.atomic import write_atomic
+from megabase.core.atomic import write_atomic
 
 from .config import RunConfig, check_init_from, dump_config, flat_params, model_config
 from .plan import RunPlan, resume_point
@@ -117,7 +117,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     folder is locked while it trains: a second process on it is refused, naming the first."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    from megabase.data.locks import holding
+    from megabase.core.locks import holding
 
     from .workdir import ensure_windows, open_store, run_dir
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 from .config import RunConfig
 

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 
 # BsaI and BsmBI, the Golden Gate type IIS enzymes: a design must not carry their sites
 GOLDEN_GATE_SITES = ["GGTCTC", "CGTCTC"]

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from megabase.data.vocab import SEP
-from megabase.pipeline.errors import TrainingError
+from megabase.core.vocab import SEP
+from megabase.core.errors import TrainingError
 
 from .config import RLConfig
 from .replay import restart, taped

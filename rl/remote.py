@@ -24,7 +24,7 @@ import traceback
 import torch
 
 from megabase.data import InputError
-from megabase.pipeline.errors import TrainingError
+from megabase.core.errors import TrainingError
 
 from . import transport
 from .config import RLConfig

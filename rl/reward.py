@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megabase.data.errors import InputError
-from megabase.data.vocab import SYMBOLS, tokenize
+from megabase.core.errors import InputError
+from megabase.core.vocab import SYMBOLS, tokenize
 
 from .config import RewardConfig
 

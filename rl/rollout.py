@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from megabase.data import InputError, TokenStore
-from megabase.data.vocab import N, N_BASES
+from megabase.core.vocab import N, N_BASES
 
 from .config import RLConfig
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from megabase.data import InputError
-from megabase.data.vocab import SYMBOLS
+from megabase.core.vocab import SYMBOLS
 
 from .config import RLConfig
 from .generator import Scorer, SyncGenerator
@@ -74,7 +74,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
     returns the result, rank 1 generates and returns None. ``cfg.out`` has one job at a time
     (a second is refused, naming the first's pid), and its ``checkpoint/`` is replaced only
     when ``megabase rl`` wrote it."""
-    from megabase.data.locks import holding
+    from megabase.core.locks import holding
     from megabase.infer.common import check_output_dir
     from megabase.pipeline.checkpointing import resolve_checkpoint
 
@@ -99,7 +99,7 @@ def check_checkpoint_folder(path: Path) -> None:
     """``out/checkpoint`` is replaced whole when the job ends: refuse before any work when it
     is there and is not a checkpoint ``megabase rl`` wrote (a folder of the user's, a run's
     checkpoint, one with files added)."""
-    from megabase.data.locks import READERS
+    from megabase.core.locks import READERS
     from megabase.model.checkpoint import CONFIG, WEIGHTS, read_checkpoint_config
 
     if not path.exists() and not path.is_symlink():
@@ -250,7 +250,7 @@ def strict_json(obj, indent: int | None = None) -> str:
 
 
 def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) -> dict[str, str]:
-    from megabase.data.atomic import write_atomic
+    from megabase.core.atomic import write_atomic
 
     files = {}
     lines = "".join(strict_json(h) + "\n" for h in result.history)

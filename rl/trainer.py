@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from megabase.pipeline.errors import TrainingError
+from megabase.core.errors import TrainingError
 
 from .config import RLConfig
 from .loss import LN2, group_advantages, mismatch, rl_loss

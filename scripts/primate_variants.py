@@ -36,7 +36,7 @@ import numpy as np
 
 from megabase.data import TokenStore
 from megabase.data.names import parse_region
-from megabase.data.vocab import tokenize
+from megabase.core.vocab import tokenize
 
 BASES = "ACGT"
 TRANSITION = {"A": "G", "G": "A", "C": "T", "T": "C"}

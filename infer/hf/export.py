@@ -87,7 +87,7 @@ def _install_over(tmp: Path, out: Path) -> None:
     if not out.exists() or not any(out.iterdir()):
         os.replace(tmp, out)
         return
-    from megabase.data.atomic import file_sha256
+    from megabase.core.atomic import file_sha256
 
     recorded = _recorded_files(out)
     new = json.loads((tmp / MARKER).read_text())["files"]
@@ -210,8 +210,8 @@ def export_model(checkpoint: str | Path, out: str | Path,
     """Write the Hugging Face folder ``out`` for ``checkpoint`` (a checkpoint or a run folder);
     ``report``: the evaluation report the model card quotes, which must be of this checkpoint
     (default: the run's own report of this checkpoint, if any)."""
-    from megabase.data.atomic import building_dir, file_sha256, naming
-    from megabase.data.locks import holding
+    from megabase.core.atomic import building_dir, file_sha256, naming
+    from megabase.core.locks import holding
     from megabase.model import parameter_counts, read_checkpoint_config
     from megabase.model.checkpoint import save_safetensors
     from megabase.pipeline.checkpointing import resolve_checkpoint
@@ -237,7 +237,7 @@ def export_model(checkpoint: str | Path, out: str | Path,
         "tokenizer_config.json": _tokenizer_json(),
         "special_tokens_map.json": {"bos_token": "<sep>", "pad_token": "<pad>"},
     }
-    # errors name out (or out/<file>), not its lock or temporary (data.atomic.naming)
+    # errors name out (or out/<file>), not its lock or temporary (core.atomic.naming)
     with naming(out), holding(out, "this export folder"), \
             building_dir(out, install=_install_over, mode=0o755) as tmp:
         check_export_dir(out)  # again, now that this process is its one writer

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 MODULES = (
-    "megabase.data.vocab", "megabase.data.errors",
+    "megabase.core.vocab", "megabase.core.errors",
     "megabase.kernels", "megabase.kernels.native", "megabase.kernels.precision",
     "megabase.kernels.conv", "megabase.kernels.conv.cpu", "megabase.kernels.conv.reference",
     "megabase.kernels.pointwise", "megabase.kernels.pointwise.cpu",
@@ -34,7 +34,7 @@ MODULES = (
     "megabase.model.attention", "megabase.model.moe", "megabase.model.lm", "megabase.model.stream",
 )
 # packages whose own __init__ would pull in the rest of megabase
-EMPTY_PACKAGES = ("megabase", "megabase.data", "megabase.model")
+EMPTY_PACKAGES = ("megabase", "megabase.core", "megabase.data", "megabase.model")
 
 _IMPORT = re.compile(r"^(\s*(?:from|import)\s+)megabase(?=[.\s])", re.MULTILINE)
 

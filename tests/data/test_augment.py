@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from megabase.data.augment import plant_repeats
-from megabase.data.vocab import PAD
+from megabase.core.vocab import PAD
 
 
 def _windows(store, n, length):

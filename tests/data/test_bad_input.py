@@ -237,7 +237,7 @@ def test_a_file_size_limit_during_prepare_is_one_line_and_leaves_nothing(tmp_pat
 def test_a_write_error_without_a_file_name_gets_the_one_being_written(tmp_path):
     import errno
 
-    from megabase.data.atomic import writing
+    from megabase.core.atomic import writing
 
     target = tmp_path / "report.json"
     with pytest.raises(OSError) as exc:
@@ -337,7 +337,7 @@ def test_records_without_bases(tmp_path, capsys):
 def test_files_megabase_writes_follow_the_umask(tmp_path):
     import os
 
-    from megabase.data.atomic import write_atomic
+    from megabase.core.atomic import write_atomic
 
     old = os.umask(0o022)
     try:

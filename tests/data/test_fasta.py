@@ -6,7 +6,7 @@ import pytest
 from megabase.data import InputError, detokenize
 from megabase.data import fasta as fasta_mod
 from megabase.data.fasta import read_fasta
-from megabase.data.vocab import TOKEN_TABLE
+from megabase.core.vocab import TOKEN_TABLE
 
 
 def reference_parse(text: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megabase.data import TokenStore, prepare
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.pipeline.cli import main
 
 
@@ -77,7 +77,7 @@ def test_a_second_prepare_waits_for_the_first_and_finds_its_store(umaydis, tmp_p
     import sys
     import time
 
-    from megabase.data.locks import lock_path
+    from megabase.core.locks import lock_path
 
     out = tmp_path / "store"
     first = subprocess.Popen([sys.executable, "-m", "megabase.pipeline.cli", "prepare",

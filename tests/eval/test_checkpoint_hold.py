@@ -98,7 +98,7 @@ def test_a_hold_and_a_removal_exclude_each_other(tmp_path):
     its latest checkpoint."""
     import torch
 
-    from megabase.data.locks import hold_reading, release_reading, remove_unless_read
+    from megabase.core.locks import hold_reading, release_reading, remove_unless_read
     from megabase.model import build_model
     from megabase.pipeline.checkpointing import held_checkpoint
 

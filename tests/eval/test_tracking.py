@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.eval.tracking import report_metrics, resolve_tracking_uri
 from megabase.pipeline.cli import main
 

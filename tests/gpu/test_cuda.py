@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def bundled_tokens(n: int) -> torch.Tensor:
     from megabase.data import default_genome
-    from megabase.data.vocab import TOKEN_TABLE
+    from megabase.core.vocab import TOKEN_TABLE
 
     with gzip.open(str(default_genome()), "rb") as fh:
         seq = b"".join(line.strip() for line in fh if not line.startswith(b">"))

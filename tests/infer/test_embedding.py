@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from megabase.data.vocab import SEP
+from megabase.core.vocab import SEP
 from megabase.infer import embed, embed_tokens
 from megabase.model import load_checkpoint
 from megabase.pipeline.cli import main

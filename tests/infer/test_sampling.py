@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from megabase.data.vocab import SEP
+from megabase.core.vocab import SEP
 from megabase.infer import generate_tokens
 from megabase.model import load_checkpoint, log_probs
 from megabase.pipeline.cli import main
@@ -97,11 +97,11 @@ def test_a_write_error_names_the_fasta_not_its_temporary(checkpoint, bundled_sto
 
 
 def test_errors_inside_a_temporary_name_the_target(tmp_path):
-    """data.atomic: an OSError naming a temporary (a file's, or a file inside a folder's) names
+    """core.atomic: an OSError naming a temporary (a file's, or a file inside a folder's) names
     the target; one without a file name gets it; numpy's errno-less short write keeps its text."""
     import errno
 
-    from megabase.data.atomic import building_dir, naming, writing
+    from megabase.core.atomic import building_dir, naming, writing
 
     target = tmp_path / "tracks.bw"
     with pytest.raises(OSError) as exc:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megabase.data import InputError
-from megabase.data.vocab import SEP
+from megabase.core.vocab import SEP
 from megabase.infer import score, score_tokens
 from megabase.infer.common import LN2
 from megabase.infer.tracks import _runs

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megabase.data import InputError
-from megabase.data.vocab import RC_LUT, SEP, tokenize
+from megabase.core.vocab import RC_LUT, SEP, tokenize
 from megabase.infer import read_vcf, score_tile, score_variants
 from megabase.model import load_checkpoint, log_probs
 from megabase.pipeline.cli import main
@@ -181,7 +181,7 @@ def test_a_failed_write_leaves_nothing_in_the_output_folder(checkpoint, bundled_
     from contextlib import contextmanager
     from pathlib import Path
 
-    from megabase.data import atomic
+    from megabase.core import atomic
 
     real = atomic.writing
 

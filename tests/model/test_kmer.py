@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megabase.data.vocab import N_BASES, PAD
+from megabase.core.vocab import N_BASES, PAD
 from megabase.model.kmer import KmerEmbedding
 
 
@@ -50,7 +50,7 @@ def test_a_piece_with_its_tail_embeds_as_the_whole(real_tokens):
 
 @pytest.mark.parametrize("value", [1, 11, -1])
 def test_bad_sizes_are_refused(value):
-    from megabase.data.errors import InputError
+    from megabase.core.errors import InputError
     from megabase.model import get_preset
 
     with pytest.raises(InputError, match="model.kmer_embed"):

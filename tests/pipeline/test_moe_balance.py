@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megabase.data.vocab import SEP
+from megabase.core.vocab import SEP
 from megabase.model import load_checkpoint
 from megabase.pipeline.cli import main
 

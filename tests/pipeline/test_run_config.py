@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from megabase.data.errors import InputError
+from megabase.core.errors import InputError
 from megabase.pipeline.config import dump_config, flat_params, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

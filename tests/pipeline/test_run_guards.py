@@ -6,7 +6,7 @@ import time
 
 import yaml
 
-from megabase.data.locks import holding, lock_path
+from megabase.core.locks import holding, lock_path
 from megabase.pipeline.cli import main
 from megabase.pipeline.train import read_train_log
 
@@ -42,14 +42,14 @@ def test_the_lock_is_reentrant_and_released(tmp_path):
         with holding(target, "run 'x'"):
             pass
         probe = subprocess.run([sys.executable, "-c", (
-            "import sys; from megabase.data.locks import holding\n"
-            "from megabase.data.errors import InputError\n"
+            "import sys; from megabase.core.locks import holding\n"
+            "from megabase.core.errors import InputError\n"
             f"try:\n    holding({str(target)!r}, 'run x').__enter__()\n"
             "except InputError as e:\n    print(e); sys.exit(3)\n")], capture_output=True,
             text=True)
         assert probe.returncode == 3 and "in use by process" in probe.stdout
     again = subprocess.run([sys.executable, "-c", (
-        "from megabase.data.locks import holding\n"
+        "from megabase.core.locks import holding\n"
         f"with holding({str(target)!r}, 'run x'): print('held')\n")], capture_output=True,
         text=True)
     assert again.returncode == 0 and again.stdout.strip() == "held"

@@ -10,7 +10,7 @@ import torch
 
 from megabase.data import InputError
 from megabase.pipeline.cli import main
-from megabase.pipeline.errors import TrainingError
+from megabase.core.errors import TrainingError
 from megabase.rl import load_rl_config, rl
 from megabase.rl.config import RLConfig
 

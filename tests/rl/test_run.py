@@ -53,7 +53,7 @@ def test_rl_runs_and_records(config, asynchronous, capsys, monkeypatch):
                                                                  for i in (1, 2, 3)]
     assert lines[-1].startswith("megabase: rl: 3 steps done in"), captured.err
     # the policy evaluated (evaluate leaves its readers' hold file there) is still rl's own
-    from megabase.data.locks import hold_reading, release_reading
+    from megabase.core.locks import hold_reading, release_reading
     from megabase.rl.run import check_checkpoint_folder
 
     release_reading(hold_reading(out / "checkpoint"))

@@ -16,7 +16,7 @@ from .megabase_sources import PACKAGE, SOURCES
 
 
 def megabase_module(name: str):
-    """The carried module ``name`` (e.g. ``model.lm``, ``data.vocab``)."""
+    """The carried module ``name`` (e.g. ``model.lm``, ``core.vocab``)."""
     if PACKAGE not in sys.modules:
         root = Path(os.environ.get("MEGABASE_CACHE") or Path.home() / ".cache" / "megabase") / "hf"
         home = root / PACKAGE

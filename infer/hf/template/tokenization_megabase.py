@@ -63,7 +63,7 @@ class MegabaseTokenizer(PreTrainedTokenizer):
     def _tokenize(self, text: str, **kwargs) -> list[str]:
         from .megabase_code import megabase_module
 
-        vocab = megabase_module("data.vocab")
+        vocab = megabase_module("core.vocab")
         clean = text.translate(_WHITESPACE)
         try:
             ids = vocab.tokenize(clean)

@@ -156,7 +156,7 @@ def remove_unless_read(folder: str | Path) -> bool:
     """Remove ``folder`` unless a reader holds it (:func:`hold_reading`); True when it is gone.
 
     The folder is first renamed to a temporary sibling (``.<name>.tmp-<pid>-*``, which
-    ``data.atomic.remove_stale_temps`` clears if this process dies midway), under an exclusive
+    ``core.atomic.remove_stale_temps`` clears if this process dies midway), under an exclusive
     hold, so a reader either holds it before (and it stays) or finds it gone; never a half-removed
     folder, nor one re-created around a new hold file."""
     folder = Path(folder)

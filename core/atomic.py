@@ -108,7 +108,7 @@ def retarget(exc: OSError, path: Path) -> OSError:
 def _untemp(name: str, path: Path) -> str:
     """``name`` with a temporary of ``path`` in it written as ``path``: ``dir/.<name>.tmp-1-x/f``
     (:func:`writing`, :func:`building_dir`) as ``dir/<name>/f``, ``dir/.<name>.old-x/previous``
-    (:func:`replace_dir`) and the lock ``dir/.<name>.lock`` (``data.locks``) as ``dir/<name>``;
+    (:func:`replace_dir`) and the lock ``dir/.<name>.lock`` (``core.locks``) as ``dir/<name>``;
     any other name as it is."""
     parts = Path(name).parts
     for i, part in enumerate(parts):

@@ -1,4 +1,6 @@
-"""The one exception type for bad user input; the CLI prints it as one line and exits non-zero."""
+"""The errors every floor raises: :class:`InputError` for bad user input (the CLI prints one line
+and exits 2) and :class:`TrainingError` for a job that fails after its input was accepted (one
+line, exit 3)."""
 
 from __future__ import annotations
 
@@ -36,3 +38,19 @@ class InputError(Exception):
 
     def __reduce__(self):  # across processes (spawned ranks) with its parts, not only its text
         return type(self), (self.what, self.path, self.record, self.options)
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class TrainingDivergedError(TrainingError):
+    """The loss became NaN or infinite; ``step`` is the optimizer step that produced it."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"loss became {loss} at step {step}; stopped without updating, the last "
+                         "good checkpoint is kept")
+        self.step = step
+
+
+class CheckpointWriteError(TrainingError):
+    """A checkpoint could not be written; the previous one is untouched and still ``latest``."""
