@@ -160,7 +160,7 @@ def _layer_inputs(model, seq: torch.Tensor) -> list[tuple]:
 
     layers = [m for m in model.modules() if isinstance(m, DSALayer)]
     seen = []
-    hooks = [layer.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[2])))
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0], args[1].tokens)))
              for layer in layers]
     try:
         with torch.no_grad():
@@ -208,7 +208,7 @@ def bench_quality(checkpoint: str, data: str, region: str, windows: int,
                   lengths: tuple[int, int] = (65_536, 262_144)) -> list[dict]:
     from megabase.data import TokenStore
     from megabase.model import load_checkpoint, log_probs
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     staged_model = load_checkpoint(ckpt, dsa_stage_from=0).eval()

@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
-from megabase.core.vocab import SEP  # noqa: E402
-from megabase.model.layers import is_untiled as untiled_check  # noqa: E402
+from megabase.core.vocab import SEP, gc_fraction  # noqa: E402
+from megabase.model import HybridLM, advance, decode_step  # noqa: E402
 
 
 def bases(n: int, offset: int = 0) -> np.ndarray:
@@ -110,9 +110,6 @@ def kmer_spectrum(tokens: np.ndarray, k: int = 6) -> np.ndarray:
 
 
 def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -> dict:
-    from megabase.model import advance
-    from megabase.model.layers import one_thread, untiled
-
     model, prompt = model_of(preset), bases(prompt_length)
     seq = torch.from_numpy(np.concatenate([[SEP], prompt]).astype(np.int64))[None]
     with torch.no_grad():
@@ -120,9 +117,8 @@ def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -
         advance(model, seq, state)
         next_base = torch.tensor([[2]])
         start = time.perf_counter()
-        with untiled(), one_thread():  # as generate_tokens takes each step
-            for _ in range(steps):
-                advance(model, next_base, state)
+        for _ in range(steps):  # as the sampler takes each step
+            decode_step(model, next_base, state)
         per_base = (time.perf_counter() - start) / steps
         start = time.perf_counter()
         model(seq)  # what re-running the prefix costs for every new base
@@ -131,27 +127,26 @@ def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -
 
 
 def bench_batch(preset: str, batch: int = 16, prompt_length: int = 256, steps: int = 50) -> dict:
-    from megabase.model import advance, moe
-    from megabase.model.layers import one_thread, untiled
-
+    """A decoding step of ``batch`` sequences: the MoE layers' new tokens as one chunk (the
+    default) against one chunk per sequence (the same weights with ``moe_chunk`` below the
+    batch, which takes the per-sequence path)."""
     model = model_of(preset)
+    per_sequence = HybridLM(model.cfg.replace(moe_chunk=batch - 1)).eval()
+    per_sequence.load_state_dict(model.state_dict())
     prompts = torch.from_numpy(bases(batch * prompt_length).astype(np.int64)).reshape(batch, -1)
     seq = torch.cat([torch.full((batch, 1), SEP), prompts], dim=1)
     per_step = {}
     with torch.no_grad():
-        for name, batched in (("per_sequence", False), ("one_chunk", True), ("per_sequence", False),
-                              ("one_chunk", True)):
-            moe.is_untiled = untiled_check if batched else (lambda: False)
-            state = model.init_state()
-            advance(model, seq, state)
+        for name, m in (("per_sequence", per_sequence), ("one_chunk", model),
+                        ("per_sequence", per_sequence), ("one_chunk", model)):
+            state = m.init_state()
+            advance(m, seq, state)
             nxt = torch.randint(0, 4, (steps, batch, 1), generator=torch.Generator().manual_seed(0))
             start = time.perf_counter()
-            with untiled(), one_thread():  # as the samplers take each step
-                for i in range(steps):
-                    advance(model, nxt[i], state)
+            for i in range(steps):  # as the samplers take each step
+                decode_step(m, nxt[i], state)
             # the better of two rounds each: the first round of either warms the allocator
             per_step[name] = min(per_step.get(name, float("inf")), (time.perf_counter() - start) / steps)
-    moe.is_untiled = untiled_check
     return per_step
 
 
@@ -208,7 +203,7 @@ def bench_samples(checkpoint: str, data: str, region: str, length: int, prompt_l
     return {"length": length, "seconds": seconds, "gc": sample.gc,
             "bits_per_base": float(-sample.log_probs.mean() / np.log(2)),
             "held_out_gc": float(composition[1] + composition[2]),
-            "continuation_gc": float(np.isin(continuation, (1, 2)).mean()),
+            "continuation_gc": gc_fraction(continuation),
             "tv": tv(sample.tokens), "tv_continuation": tv(continuation), "tv_iid": tv(iid)}
 
 

@@ -118,3 +118,14 @@ def reverse_complement(tokens):
         lut = torch.as_tensor(RC_LUT, device=tokens.device).to(tokens.dtype)
         return lut[tokens.long()].flip(-1)
     return RC_LUT[np.asarray(tokens)][..., ::-1]
+
+
+def is_gc(tokens) -> np.ndarray:
+    """Where ``tokens`` (any array of ids) are C or G: a bool array of their shape."""
+    return np.isin(np.asarray(tokens), (C, G))
+
+
+def gc_fraction(tokens) -> float:
+    """Share of ``tokens`` (any array of ids) that are C or G; NaN for none."""
+    gc = is_gc(tokens)
+    return float(gc.mean()) if gc.size else float("nan")

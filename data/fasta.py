@@ -10,7 +10,7 @@ bounded by the largest selected record; unselected records are scanned and dropp
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from megabase.core.atomic import write_atomic
 from megabase.core.errors import InputError
 from megabase.core.vocab import INVALID, TOKEN_TABLE
 
@@ -378,3 +379,13 @@ class _Parser:
             self.path,
             self.record.name if self.record else None,
         )
+
+
+def write_fasta(path: str | Path, records: Iterable[tuple[str, str]], width: int = 80) -> Path:
+    """Write ``(header, sequence)`` records (header without the ``>``) as FASTA, ``width`` bases a
+    line, atomically: the file appears whole or not at all."""
+    lines = []
+    for header, text in records:
+        lines.append(f">{header}")
+        lines.extend(text[j : j + width] for j in range(0, len(text), width))
+    return write_atomic(path, ("\n".join(lines) + "\n").encode())

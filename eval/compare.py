@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megabase.core.errors import InputError
 
 from .report import series
-from .tracking import load_report
 
 
 @dataclass
@@ -87,15 +87,16 @@ def _label(report: dict, ref: str) -> str:
     return name
 
 
-def compare(refs: list[str], tracking_uri: str | None = None,
+def compare(refs: list[str], load: Callable[[str], dict],
             with_baselines: bool = False) -> Comparison:
-    """Load every report in ``refs`` (a report.json, its directory, or an MLflow run id) and line
-    up their bins. ``with_baselines`` adds each report's controls and baselines as curves."""
+    """Load every report in ``refs`` with ``load`` (a report.json, its directory, or a tracking
+    run id: :func:`megabase.pipeline.tracking.load_report`) and line up their bins.
+    ``with_baselines`` adds each report's controls and baselines as curves."""
     if not refs:
         raise InputError("compare needs at least one report file, report directory or run id")
     curves: dict[str, tuple[dict, str | None]] = {}
     for ref in refs:
-        report = load_report(ref, tracking_uri)
+        report = load(ref)
         named = series(report) if with_baselines else {_label(report, ref): report}
         for name, summary in named.items():
             label, n = name, 2

@@ -20,10 +20,6 @@ from .probe import probe_distances, recall_probe
 from .rebalance import rebalance_moe
 from .report import accumulate, score_series, windows_sha256, write_report
 from .score import ModelScorer, markov_scorer, truncated
-from .tracking import (
-    DEFAULT_EXPERIMENT, abandon_run, given_tracking_uri, log_report, open_run,
-    resolve_tracking_uri, retry_locked,
-)
 
 
 def eval_windows(store: TokenStore, windows: str | Path | None, split: str, regions: list[str],
@@ -106,8 +102,7 @@ def context_worth(model: tuple, copy: tuple, limit: int, n_boot: int, seed: int)
 
 def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | None = None,
              out: str | Path | None = None, windows: str | Path | None = None, split: str = "eval",
-             progress: bool = True, mlflow_run: str | None = None, experiment: str | None = None,
-             tracking_uri: str | None = None, track: bool = True) -> dict:
+             progress: bool = True) -> dict:
     """Score a checkpoint on held-out windows; write report.json/csv/png into ``out``.
 
     ``options`` (:class:`EvalConfig`, its defaults when None): the regions to tile (or a BED of
@@ -120,21 +115,19 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     ``out``: default :func:`report_folder`, never inside a run's checkpoint (rotation removes
     those). Baselines and the copy model fitted on bases they score are refused
     (:func:`check_apart`).
-    MLflow: the report goes to ``mlflow_run``, else to the run recorded in the checkpoint
-    (``config.json`` key ``mlflow``) unless ``tracking_uri`` names another store, else to a new
-    run of ``experiment`` when one is named or the store is another; ``track=False`` logs nothing.
+    Logging the report to a tracking run is the pipeline's
+    (:func:`megabase.pipeline.tracking.evaluate_tracked`).
     """
-    from megabase.pipeline.checkpointing import held_checkpoint
+    from megabase.model.checkpoint import held_checkpoint
 
     started = time.perf_counter()
     o = (options or EvalConfig()).check()
     with held_checkpoint(checkpoint) as held:
         out = Path(out) if out else report_folder(held)
         check_output(out)
-        report, tracking = _evaluate(held, data, o, windows, split, progress, mlflow_run,
-                                     experiment, tracking_uri, track)
+        report = _evaluate(held, data, o, windows, split, progress)
         report["seconds"] = time.perf_counter() - started
-        return _finish(report, out, tracking)
+        return written(report, out)
 
 
 def report_folder(checkpoint: Path) -> Path:
@@ -147,10 +140,8 @@ def report_folder(checkpoint: Path) -> Path:
     return ckpt / "eval"
 
 
-def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool,
-              mlflow_run, experiment, tracking_uri, track: bool) -> tuple[dict, dict | None]:
-    """:func:`evaluate`'s scoring of a held ``checkpoint``: ``(report, tracking)``, where
-    ``tracking`` holds :func:`open_run`'s arguments (None: log nothing)."""
+def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool) -> dict:
+    """:func:`evaluate`'s scoring of a held ``checkpoint``: the report."""
     from megabase.model import load_checkpoint, read_checkpoint_config
     from megabase.model.checkpoint import weights_sha256
 
@@ -170,23 +161,6 @@ def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progre
         raise InputError("{copy}: fitting the copy-model reference needs {train} regions, and the "
                          "checkpoint records none (or turn {copy} off)", checkpoint,
                          options=("copy", "train"))
-    tracking = None
-    if track:
-        recorded_run = config.get("mlflow") or {}
-        elsewhere = tracking_uri is not None and recorded_run.get("tracking_uri") is not None and \
-            retry_locked(lambda: resolve_tracking_uri(tracking_uri), tracking_uri,
-                         "nothing was scored yet") != recorded_run["tracking_uri"]
-        run = mlflow_run or (None if experiment or elsewhere else recorded_run.get("run_id"))
-        if elsewhere and not run:  # another store than the training run's: a new run there
-            experiment = experiment or DEFAULT_EXPERIMENT
-        if run or experiment:
-            uri = tracking_uri or (recorded_run.get("tracking_uri")
-                                   if run == recorded_run.get("run_id") else None)
-            tracking = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
-                            run_name=f"evaluate {Path(checkpoint).name}")
-            if run:  # checked now: a wrong run id fails before minutes of scoring
-                retry_locked(lambda: open_run(**tracking), given_tracking_uri(uri),
-                             "nothing was scored yet")
     store = TokenStore(data)
     # a checkpoint saved outside training records no window length: tiles of one segment
     length = o.length or int(config.get("window_length", o.segment))
@@ -256,7 +230,7 @@ def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progre
         report["probe"] = recall_probe(scorer, held_out, distances, n_per_distance=o.probe_windows,
                                        seed=seed, n_boot=n_boot, pairs=o.probe_pairs,
                                        progress=progress)
-    return report, tracking
+    return report
 
 
 def rebalance_windows(store: TokenStore, scored: list[str], o: EvalConfig,
@@ -294,43 +268,10 @@ def check_output(out: Path) -> None:
         raise InputError("is not writable; choose another output folder", parent)
 
 
-def _finish(report: dict, out: Path, tracking: dict | None) -> dict:
-    """Write the report files, then log them to MLflow (``tracking``: :func:`open_run` arguments).
-
-    The report is on disk before MLflow is asked for anything, so a tracking store that fails or
-    stays locked costs no scoring (:func:`log_saved_report` logs it later). A run is created only
-    then; if logging fails, that run is deleted.
-    """
+def written(report: dict, out: Path) -> dict:
+    """``report`` with its files written in ``out`` (``report["files"]``: name -> path)."""
     files = write_report(report, out)
     report["files"] = {k: str(p) for k, p in files.items()}
-    if tracking:
-        log_saved_report(report, out, tracking)
-    return report
-
-
-def log_saved_report(report: dict, out: Path, tracking: dict) -> dict:
-    """Log a report written in ``out`` to MLflow (``tracking``: :func:`open_run` arguments), then
-    record the run in its ``report.json``; waits a while for a locked store (retry_locked)."""
-    given = given_tracking_uri(tracking.get("tracking_uri"))
-    where = "--mlflow-run " + tracking["run_id"] if tracking.get("run_id") else \
-        "--experiment " + str(tracking.get("experiment", DEFAULT_EXPERIMENT))
-
-    def kept(uri: str) -> str:
-        return f"the report is in {out}; log it later with `megabase log {out} --tracking-uri " \
-            f"{uri} {where}`"
-
-    # making a new store writes it: a full disk fails here already
-    uri = retry_locked(lambda: resolve_tracking_uri(given), given, kept(given))
-    target = retry_locked(lambda: open_run(**{**tracking, "tracking_uri": uri}), uri, kept(uri))
-    report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
-    try:
-        files = write_report(report, out)
-        retry_locked(lambda: log_report(report, files, target), uri, kept(uri))
-    except BaseException:
-        abandon_run(target)
-        report.pop("mlflow")
-        write_report(report, out)  # no run named that holds nothing
-        raise
     return report
 
 
@@ -346,17 +287,11 @@ def scored_windows(store: TokenStore, train: list[str], eval_regions: list[str],
 
 def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions: list[str],
                     out: str | Path, length: int = 65_536, edges: list[int] | None = None,
-                    n_boot: int = EvalConfig.bootstrap, seed: int = 0, progress: bool = True,
-                    experiment: str | None = None, tracking_uri: str | None = None) -> dict:
-    """Fit an order-``order`` Markov model on ``train`` and report it on ``eval_regions``.
-
-    With ``experiment``, the report is also logged to a new MLflow run of that experiment.
-    """
+                    n_boot: int = EvalConfig.bootstrap, seed: int = 0,
+                    progress: bool = True) -> dict:
+    """Fit an order-``order`` Markov model on ``train`` and report it on ``eval_regions`` (files
+    in ``out``; its ``name`` is ``markov order K``)."""
     started = time.perf_counter()
-    tracking = None
-    if experiment:
-        tracking = dict(tracking_uri=tracking_uri, experiment=experiment,
-                        run_name=f"markov order {order}", kind="baseline")
     store = TokenStore(data)
     wins = scored_windows(store, train, eval_regions, length)
     edges = cover_edges(edges, length) if edges else default_edges(max(w.length for w in wins))
@@ -366,24 +301,20 @@ def markov_baseline(data: str | Path, order: int, train: list[str], eval_regions
               "window_length": length, "edges": edges, "windows_sha256": windows_sha256(store, wins),
               **score_series(scorer, store, wins, edges, n_boot, seed, progress, f"markov {order}")}
     report["seconds"] = time.perf_counter() - started
-    return _finish(report, Path(out), tracking)
+    return written(report, Path(out))
 
 
 def copy_baseline(data: str | Path, train: list[str], eval_regions: list[str], out: str | Path,
                   spec: CopySpec | None = None, controls: list[int] = (1000,),
                   length: int = 65_536, edges: list[int] | None = None,
-                  n_boot: int = EvalConfig.bootstrap, seed: int = 0, progress: bool = True,
-                  experiment: str | None = None, tracking_uri: str | None = None) -> dict:
+                  n_boot: int = EvalConfig.bootstrap, seed: int = 0,
+                  progress: bool = True) -> dict:
     """The copy-model reference alone: fitted on ``train``, reported on ``eval_regions`` with its
     gain over each context limit in ``controls`` (the report format of every baseline; its
-    controls are the reference's own). With ``experiment``, also logged to a new MLflow run."""
+    controls are the reference's own), files in ``out``."""
     started = time.perf_counter()
     spec = (spec or CopySpec()).check()
     controls = check_controls(controls)
-    tracking = None
-    if experiment:
-        tracking = dict(tracking_uri=tracking_uri, experiment=experiment, run_name="copy model",
-                        kind="baseline")
     store = TokenStore(data)
     wins = scored_windows(store, train, eval_regions, length)
     longest = max(w.length for w in wins)
@@ -394,4 +325,4 @@ def copy_baseline(data: str | Path, train: list[str], eval_regions: list[str], o
               "n_windows": len(wins), "window_length": longest, "edges": edges,
               "windows_sha256": windows_sha256(store, wins)}
     report["seconds"] = time.perf_counter() - started
-    return _finish(report, Path(out), tracking)
+    return written(report, Path(out))

@@ -88,8 +88,8 @@ def _score(scorer, window: np.ndarray, d: int, m: int, offsets: list[int]):
     from megabase.model.dsa import capture_selections
 
     lo, hi = offsets[0] + d, offsets[-1] + d + m
-    with capture_selections(model, lo, hi) as captures:
-        nll = scorer(window)
+    captures = capture_selections(model, lo, hi)
+    nll = scorer(window, ctx=model.context(capture=captures))
     hits, chance = [], []
     for o in offsets:
         rows = slice(o + d - lo, o + d + m - lo)

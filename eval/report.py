@@ -174,8 +174,6 @@ def check_loggable(report, source: str) -> None:
     """:func:`check_report`, then everything logging reads (the metrics, the table of every
     series, the CSV), built once before any run is made: an InputError says what is missing or
     malformed in a hand-edited or half-written report, instead of a traceback half-way through."""
-    from .tracking import report_metrics, report_table
-
     check_report(report, source)
     try:
         report_metrics(report)
@@ -186,3 +184,94 @@ def check_loggable(report, source: str) -> None:
                          "logging needs one", source) from None
     except (TypeError, ValueError, AttributeError, IndexError) as exc:
         raise InputError(f"not a complete megabase report: {str(exc)[:120]}", source) from None
+
+
+def bin_key(b: dict) -> str:
+    return f"ctx_{b['context_lo']}-{b['context_hi']}"
+
+
+def report_metrics(report: dict) -> dict[str, float]:
+    """The flat metrics of a report, NaN-free: what it logs to a tracking run
+    (:mod:`megabase.pipeline.tracking` lists them)."""
+    out: dict[str, float] = {}
+
+    def add(prefix: str, summary: dict, per_bin: bool) -> None:
+        o = summary["overall"]
+        out[f"{prefix}/n_tokens"] = float(o["n_tokens"])
+        for field in ("bits_per_base", "nats_per_base", "perplexity"):
+            out[f"{prefix}/{field}"] = o[field]
+        for part in ("unique", "repeat"):
+            out[f"{prefix}/{part}/bits_per_base"] = o[part]["bits_per_base"]
+        if per_bin:
+            for b in summary["bins"]:
+                out[f"{prefix}/bits_per_base/{bin_key(b)}"] = b["bits_per_base"]
+                out[f"{prefix}/n_tokens/{bin_key(b)}"] = float(b["n_tokens"])
+
+    add("eval", report, per_bin=True)
+    for limit, summary in report.get("controls", {}).items():
+        add(f"eval/control_{limit}", summary, per_bin=True)
+    for name, summary in report.get("baselines", {}).items():
+        add("eval/baseline/" + name.replace(" ", "_"), summary, per_bin=False)
+    for limit, rows in report.get("context_gain", {}).items():
+        for row in rows:
+            for part in ("all", "unique", "repeat"):
+                g = row[part]
+                key = f"eval/gain_over_control_{limit}/{part}/{bin_key(row)}"
+                out[key] = g["gain_bits_per_base"]
+                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+    ref = report.get("copy_reference")
+    if ref:
+        add("eval/copy", ref, per_bin=True)
+        for limit, summary in ref.get("controls", {}).items():
+            add(f"eval/copy/control_{limit}", summary, per_bin=False)
+    for limit, worth in report.get("context_worth", {}).items():
+        for who in ("model", "copy"):
+            for part in ("all", "unique", "repeat"):
+                g = worth[who][part]
+                key = f"eval/context_worth_{limit}/{who}/{part}"
+                out[key] = g["gain_bits_per_base"]
+                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+        out[f"eval/context_worth_{limit}/share"] = worth["share"]
+    for row in report.get("probe", []):
+        d = row["distance"]
+        for field in ("first_copy_bits_per_base", "second_copy_bits_per_base", "gain_bits_per_base"):
+            out[f"eval/probe/d_{d}/{field}"] = row[field]
+        for i, rate in enumerate(row.get("dsa_hit_rate") or []):
+            out[f"eval/probe/d_{d}/dsa_hit_rate/layer_{i}"] = rate
+    for row in report.get("moe_load", []):
+        out[f"eval/moe_load_max_over_mean/layer_{row['layer']}"] = row["max_over_mean"]
+        out[f"eval/moe_idle_experts/layer_{row['layer']}"] = float(row["idle_experts"])
+    fit = (report.get("moe_rebalance") or {}).get("max_over_mean") or []
+    kept = (report.get("moe_rebalance") or {}).get("kept", len(fit) - 1)
+    for i, (before, after) in enumerate(zip(fit[0], fit[kept]) if fit else []):
+        out[f"eval/moe_rebalance/max_over_mean_before/layer_{i}"] = before
+        out[f"eval/moe_rebalance/max_over_mean_after/layer_{i}"] = after
+    if (report.get("moe_rebalance") or {}).get("cost"):
+        out["eval/moe_rebalance/cost_bits_per_base"] = \
+            report["moe_rebalance"]["cost"]["all"]["gain_bits_per_base"]
+        out["eval/moe_rebalance/trained_bits_per_base"] = \
+            report["moe_rebalance"]["trained"]["bits_per_base"]
+    return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
+
+
+def report_table(report: dict) -> dict[str, list]:
+    """Columns of one row per (series, bin): what ``eval/bins.json`` holds. ``role`` is
+    ``model`` for the report's own curve (a baseline report's too), else ``control``, ``baseline``,
+    ``reference`` (the copy model) or ``reference control``."""
+    role_of = roles(report)
+    cols: dict[str, list] = {k: [] for k in (
+        "series", "role", "context_lo", "context_hi", "n_tokens", "bits_per_base",
+        "nats_per_base", "bits_ci_lo", "bits_ci_hi", "unique_bits_per_base",
+        "repeat_bits_per_base")}
+    for name, s in series(report).items():
+        for b in s["bins"]:
+            row = {"series": name, "role": role_of.get(name, "model"),
+                   "context_lo": b["context_lo"], "context_hi": b["context_hi"],
+                   "n_tokens": b["n_tokens"], "bits_per_base": b["bits_per_base"],
+                   "nats_per_base": b["nats_per_base"], "bits_ci_lo": b["bits_per_base_ci"][0],
+                   "bits_ci_hi": b["bits_per_base_ci"][1],
+                   "unique_bits_per_base": b["unique"]["bits_per_base"],
+                   "repeat_bits_per_base": b["repeat"]["bits_per_base"]}
+            for key, value in row.items():
+                cols[key].append(value)
+    return cols

@@ -40,7 +40,7 @@ class ModelScorer:
 
         def hook(i):
             def add(module, args, out):
-                load[i] += (out[2] if margins else out[2][:, 0]).cpu()
+                load[i] += (out[2] if margins else out[2][:, 0]).cpu()  # (y, aux, stats, experts)
             return add
 
         handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -51,12 +51,14 @@ class ModelScorer:
                 h.remove()
 
     @torch.no_grad()
-    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+    def __call__(self, tokens: np.ndarray, ctx=None) -> np.ndarray:
+        """``ctx``: how the model's calls run (:meth:`HybridLM.context`; e.g. capturing the DSA
+        layers' selections)."""
         from megabase.model import log_probs
 
         seq = torch.from_numpy(np.concatenate([[SEP], tokens]).astype(np.int64))[None]
         seg = self.segment if self.segment and len(tokens) > self.segment else None
-        nll = -log_probs(self.model, seq, segment=seg)[0].double().numpy()
+        nll = -log_probs(self.model, seq, segment=seg, ctx=ctx)[0].double().numpy()
         nll[tokens >= N_BASES] = np.nan
         return nll
 

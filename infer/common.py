@@ -60,7 +60,7 @@ def load_model(checkpoint: str | Path, dsa_stage: str | None = None):
     candidate stage to run it with (``exact``, ``max``, ``mean``); None: the checkpoint's."""
     from megabase.model import load_checkpoint
     from megabase.model.config import STAGES
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     if dsa_stage is not None and dsa_stage not in STAGES:
         raise InputError(f"{{dsa_stage}} must be one of {', '.join(STAGES)}, got {dsa_stage!r}",

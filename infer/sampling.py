@@ -1,20 +1,102 @@
-"""``megabase generate``: sample a continuation of a prompt, one base per step through the carried
-state (incremental decoding: a new base costs one step, not a pass over the prefix)."""
+"""Sampling: the one batched sampler (:func:`sample`) and ``megabase generate`` on top of it.
+
+A sampler reads the prompts once (:func:`megabase.model.prefill`), then draws a base per sequence
+per step and feeds it back as one decoding step (:func:`megabase.model.decode_step`): a new base
+costs one step, not a pass over the prefix. ``megabase generate`` samples one sequence at a time
+(a seed each); RL's generator samples a batch of groups and changes the weights between steps
+(``before_step``); the Hugging Face wrapper's generation takes the same decoding step.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megabase.core.errors import TrainingError
+from megabase.core.vocab import N_BASES, SEP, SYMBOLS, gc_fraction
 from megabase.data import InputError, TokenStore
-from megabase.core.vocab import N_BASES, SEP, SYMBOLS
+from megabase.data.fasta import read_fasta, write_fasta
+from megabase.model import decode_step, prefill
 
 from .common import (DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions)
+
+
+class SamplingError(TrainingError):
+    """The sampling probabilities became NaN or infinite at ``base`` (1-based): a temperature so
+    small that ``logits / temperature`` overflows, or a model whose weights broke."""
+
+    def __init__(self, base: int):
+        super().__init__(f"sampling probabilities became non-finite at base {base}")
+        self.base = base
+
+
+@dataclass
+class Decoded:
+    """A batch's samples: ``tokens [N, L]`` (A/C/G/T ids), ``log_probs [N, L]`` (natural log of
+    each base under the model, temperature 1), ``sampled_log_probs [N, L]`` (under the distribution
+    it was drawn from: temperature and top-k applied) and, when recorded, ``routing``: per MoE
+    layer the experts ``[N, P + L - 1, k]`` (uint8) of every input token, prompt included."""
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    sampled_log_probs: torch.Tensor
+    routing: list[torch.Tensor] | None = None
+
+
+@torch.no_grad()
+def sample(model, prompts: torch.Tensor, length: int, temperature: float = 1.0, top_k: int = 0,
+           gen: torch.Generator | None = None, segment: int = DEFAULT_SEGMENT,
+           before_step: Callable[[int], bool] | None = None,
+           after_step: Callable[[int], None] | None = None,
+           record_routing: bool = False) -> Decoded:
+    """Draw ``length`` bases after each row of ``prompts [N, P]`` (token ids, the ``<sep>`` start
+    included), all rows as one batch.
+
+    The prompts are read ``segment`` tokens at a time; each base is drawn from the softmax of the
+    logits over A/C/G/T divided by ``temperature`` (only the ``top_k`` most likely when > 0) with
+    ``gen``. ``before_step(i)`` runs before base ``i`` (1-based from the second base) is drawn:
+    the weights may change there, and when it returns True the state is read again under the new
+    weights from the prompt and the bases drawn so far (the routing recorded so far is dropped with
+    it). ``after_step(i)`` runs after base ``i`` is drawn. Raises :class:`SamplingError` when the
+    probabilities are not finite.
+    """
+    N, P = prompts.shape
+    out = torch.empty(N, P + length, dtype=torch.int64)
+    out[:, :P] = prompts
+    logps = torch.empty(N, length)
+    sampled = torch.empty(N, length)
+    state, piece = prefill(model, out[:, :P], segment)
+    routing = [piece.routing] if record_routing else None
+    for i in range(length):
+        if i and before_step is not None and before_step(i):
+            state, piece = prefill(model, out[:, : P + i], segment)
+            routing = [piece.routing] if record_routing else None
+        last = piece.logits[:, -1].float()
+        scores = last / temperature
+        if top_k:
+            scores = scores.masked_fill(scores < scores.topk(top_k, -1).values[:, -1:], float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if not bool(torch.isfinite(probs).all()):  # else multinomial's RuntimeError
+            raise SamplingError(i + 1)
+        base = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        out[:, P + i] = base
+        logps[:, i] = torch.log_softmax(last, -1).gather(1, base[:, None])[:, 0]
+        sampled[:, i] = torch.log_softmax(scores, -1).gather(1, base[:, None])[:, 0]
+        if after_step is not None:
+            after_step(i + 1)
+        if i + 1 < length:  # the last base is never an input
+            piece = decode_step(model, base[:, None], state)
+            if record_routing:
+                routing.append(piece.routing)
+    if record_routing:
+        routing = [torch.cat(layer, 1) for layer in zip(*routing)]
+    return Decoded(out[:, P:], logps, sampled, routing)
 
 
 @dataclass
@@ -33,7 +115,7 @@ class Sample:
 
     @property
     def gc(self) -> float:
-        return float(np.isin(self.tokens, (1, 2)).mean()) if len(self.tokens) else float("nan")
+        return gc_fraction(self.tokens)
 
 
 @dataclass
@@ -57,39 +139,19 @@ def _check_sampling(length: int, temperature: float, top_k: int) -> None:
         raise InputError(f"{{top_k}} must be 0 (off) to {N_BASES}, got {top_k}", options=("top_k",))
 
 
-@torch.no_grad()
 def generate_tokens(model, prompt: np.ndarray, length: int, temperature: float = 1.0,
                     top_k: int = 0, seed: int = 0, segment: int = DEFAULT_SEGMENT,
                     progress=None) -> Sample:
-    """Sample ``length`` bases after ``prompt`` (token ids; a ``<sep>`` start is put before it).
-
-    The prompt is read ``segment`` bases at a time; then each base is drawn from the softmax of the
-    logits over A/C/G/T divided by ``temperature`` (only the ``top_k`` most likely when > 0) with a
-    ``torch.Generator`` seeded by ``seed``, and fed back as one step. ``progress``: called with 1
+    """Sample ``length`` bases after ``prompt`` (token ids; a ``<sep>`` start is put before it)
+    with :func:`sample` and a ``torch.Generator`` seeded by ``seed``. ``progress``: called with 1
     after each base."""
-    from megabase.model import advance
-    from megabase.model.layers import one_thread, untiled
-
     _check_sampling(length, temperature, top_k)
     seq = torch.from_numpy(np.concatenate([[SEP], prompt]).astype(np.int64))[None]
-    state = model.init_state()
-    for start in range(0, seq.shape[1], segment):
-        logits, _ = advance(model, seq[:, start : start + segment], state)
     gen = torch.Generator().manual_seed(seed)
-    tokens = np.empty(length, dtype=np.uint8)
-    logps = np.empty(length, dtype=np.float32)
-    for i in range(length):
-        last = logits[0, -1].float()
-        scores = last / temperature
-        if top_k:
-            scores = scores.masked_fill(scores < scores.topk(top_k).values[-1], float("-inf"))
-        base = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen))
-        tokens[i], logps[i] = base, float(torch.log_softmax(last, -1)[base])
-        with untiled(), one_thread():
-            logits, _ = advance(model, torch.tensor([[base]]), state)
-        if progress is not None:
-            progress(1)
-    return Sample(tokens, logps, seed)
+    after = None if progress is None else (lambda i: progress(1))
+    done = sample(model, seq, length, temperature, top_k, gen, segment, after_step=after)
+    return Sample(done.tokens[0].numpy().astype(np.uint8),
+                  done.log_probs[0].numpy().astype(np.float32), seed)
 
 
 def read_prompt(store: TokenStore | None, region: str | None, fasta: str | None) -> tuple[np.ndarray, str]:
@@ -103,24 +165,11 @@ def read_prompt(store: TokenStore | None, region: str | None, fasta: str | None)
                              options=("prompt_region", "data"))
         iv = resolve_regions(store, [region])[0]
         return np.asarray(store.tokens(iv.chrom)[iv.start : iv.end]), iv.spec
-    from megabase.data.fasta import read_fasta
-
     for record in read_fasta(fasta):
         if not record.length:
             raise InputError("its first record holds no bases", fasta, record.name)
         return record.token_array(), f"{Path(fasta).name}:{record.name}"
     raise InputError("holds no records", fasta)
-
-
-def write_fasta(path: Path, samples: list[Sample], header: str, width: int = 80) -> Path:
-    from megabase.core.atomic import write_atomic
-
-    lines = []
-    for i, s in enumerate(samples):
-        lines.append(f">sample{i + 1} seed={s.seed} {header} mean_log2p={s.log_probs.mean() / np.log(2):.4f}")
-        text = s.text
-        lines.extend(text[j : j + width] for j in range(0, len(text), width))
-    return write_atomic(path, ("\n".join(lines) + "\n").encode())
 
 
 def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
@@ -156,6 +205,9 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
     if out is not None:
         header = (f"prompt={label} prompt_length={len(prompt)} temperature={temperature} "
                   f"top_k={top_k}")
-        files["fasta"] = str(write_fasta(out, results, header))
+        records = [(f"sample{i + 1} seed={s.seed} {header} "
+                    f"mean_log2p={s.log_probs.mean() / np.log(2):.4f}", s.text)
+                   for i, s in enumerate(results)]
+        files["fasta"] = str(write_fasta(out, records))
     return GenerateResult(results, label, len(prompt), files, seconds,
                           samples * length / max(seconds, 1e-9), peak_rss_bytes())

@@ -96,7 +96,7 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
 
     from megabase.data import InputError
     from megabase.model.checkpoint import weights_sha256
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     if segment < 1 or context < 0:
         raise InputError("{segment} must be positive and {context} at least 0",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .checkpoint import load_checkpoint, read_checkpoint_config, save_checkpoint, verify_checkpoint
 from .config import ModelConfig
+from .context import Context
 from .lm import HybridLM, LMOutput
 from .presets import PRESETS, get_preset, parameter_counts
-from .stream import advance, fork, log_probs, stream
+from .stream import Piece, advance, decode_step, fork, log_probs, prefill, stream
 
 
 def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
@@ -16,5 +17,6 @@ def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
 
 
 __all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "verify_checkpoint",
-           "ModelConfig", "HybridLM", "LMOutput", "log_probs", "stream", "advance", "fork", "PRESETS",
+           "ModelConfig", "Context", "HybridLM", "LMOutput", "log_probs", "stream", "advance", "fork",
+           "prefill", "decode_step", "Piece", "PRESETS",
            "get_preset", "parameter_counts", "build_model"]

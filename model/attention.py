@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .cache import extend
 from .config import ModelConfig
-from .layers import Linear, RMSNorm
+from .context import DEFAULT, Context
+from .layers import HeadProjections
 
 
 def rotate(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
@@ -30,24 +30,20 @@ def rotate(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-class AttentionLayer(nn.Module):
-    """``[B, T, d] -> [B, T, d]``: causal attention over all earlier tokens; ``(y, aux_loss = 0)``."""
+class AttentionLayer(HeadProjections):
+    """``[B, T, d] -> [B, T, d]``: causal attention over all earlier tokens; ``(y, aux_loss = 0,
+    None)``. Streaming (``ctx.state``) carries the rotated keys and values."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.cfg = cfg
-        self.HQ, self.H, self.D = cfg.dsa_heads, cfg.dsa_kv_heads, cfg.dsa_head_dim
-        self.q_proj = Linear(d, self.HQ * self.D)
-        self.kv_proj = Linear(d, 2 * self.H * self.D)
-        self.q_norm, self.k_norm = RMSNorm(self.D, cfg.norm_eps), RMSNorm(self.D, cfg.norm_eps)
-        self.o_proj = Linear(self.HQ * self.D, d)
+        super().__init__(cfg)
+        self.output_projection()
 
-    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: Context = DEFAULT):
         B, T, _ = x.shape
+        state, u = ctx.state, ctx.untiled
         offset = state["k"].shape[1] if state is not None and "k" in state else 0
-        q = self.q_norm(self.q_proj(x).reshape(B, T, self.HQ, self.D))
-        k, v = self.kv_proj(x).reshape(B, T, 2, self.H, self.D).unbind(2)
+        q = self.q_norm(self.q_proj(x, u).reshape(B, T, self.HQ, self.D))
+        k, v = self.kv_proj(x, u).reshape(B, T, 2, self.H, self.D).unbind(2)
         q = rotate(q, offset, self.cfg.rope_base)
         k = rotate(self.k_norm(k), offset, self.cfg.rope_base)
         if state is not None:
@@ -60,5 +56,5 @@ class AttentionLayer(nn.Module):
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed)
         else:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, T, self.HQ * self.D))
-        return y, x.new_zeros((), dtype=torch.float)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, self.HQ * self.D), u)
+        return y, x.new_zeros((), dtype=torch.float), None

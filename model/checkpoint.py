@@ -8,7 +8,13 @@ itself (:func:`config_digest`); every loader reads the config through
 :func:`read_checkpoint_config`, which refuses an edited one, and loading checks the weights.
 Writes go to a temporary sibling directory that is renamed into place, so a crash never leaves a
 half checkpoint. Optimizer and data-loader state, when a trainer saves them, sit beside these two
-files.
+files (``trainer.pt``).
+
+Where a checkpoint is found lives here too, so every command resolves a path the same way: a run
+folder's ``checkpoints/step-NNNNNN`` folders, the ``checkpoints/latest`` pointer that names the
+newest complete one (:func:`latest_checkpoint`), a path that is either (:func:`resolve_checkpoint`)
+and a reader's hold on it against the rotation of a run training meanwhile
+(:func:`held_checkpoint`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ import hashlib
 import json
 import os
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from megabase.core.atomic import building_dir, file_sha256, naming
 from megabase.core.errors import InputError
+from megabase.core.locks import hold_reading, release_reading
 from megabase.core.vocab import vocab_dict
 
 from .config import RUNTIME_FIELDS, STAGE_FIELDS, ModelConfig
@@ -159,3 +169,87 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runt
         raise InputError(f"weights do not match the config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})", path)
     return model.to(device).eval()
+
+
+TRAINER_STATE = "trainer.pt"  # what a training checkpoint holds beside the model's files
+LATEST = "latest"  # RUN/checkpoints/latest: the name of the newest complete checkpoint
+
+
+STEP_NAME = re.compile(r"step-\d{6,}")
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step in a ``step-N`` folder's name."""
+    return int(path.name[len("step-"):])
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's ``checkpoints/step-N`` folders that hold every file, oldest first."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if STEP_NAME.fullmatch(p.name)
+                   and (p / TRAINER_STATE).is_file() and (p / WEIGHTS).is_file()),
+                  key=checkpoint_step)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder as given, or a run folder's latest checkpoint."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        return latest_checkpoint(path) or path
+    return path
+
+
+@contextmanager
+def held_checkpoint(path: str | Path, tries: int = 5) -> Iterator[Path]:
+    """:func:`resolve_checkpoint` of ``path``, held for the block (``core.locks.hold_reading``)
+    so that the rotation of a run training meanwhile cannot remove it. When rotation removes a
+    run folder's latest checkpoint before it is held, the new latest is taken (up to ``tries``
+    times). A folder that is not there is yielded unheld: reading it gives the error."""
+    fd = None
+    for _ in range(tries):
+        ckpt = resolve_checkpoint(path)
+        if not (ckpt / WEIGHTS).is_file():  # no checkpoint: no hold file in the user's folder
+            break
+        try:
+            fd = hold_reading(ckpt)
+            break
+        except FileNotFoundError:
+            if ckpt == Path(path):  # not a run's latest: no other one to take
+                break
+    try:
+        yield ckpt
+    finally:
+        release_reading(fd)
+
+
+def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
+    """The checkpoint ``checkpoints/latest`` names, or None for a run with no checkpoints.
+
+    A pointer that is not a ``step-N`` name, or that names a folder which is missing or
+    incomplete, or a run folder with checkpoints but no pointer, is an InputError offering the
+    newest complete checkpoint; with ``fallback`` that one is returned instead, with a warning.
+    """
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    complete = complete_checkpoints(run_dir)
+    if not pointer.is_file() and not complete:
+        return None
+    if pointer.is_file():
+        name = pointer.read_text(errors="replace").strip()
+        if not STEP_NAME.fullmatch(name):
+            problem = f"names {name[:60]!r}, not a checkpoint of this run (step-NNNNNN)"
+        elif (pointer.parent / name) in complete:
+            return pointer.parent / name
+        else:
+            problem = f"names {name}, which is missing or incomplete"
+    else:
+        problem = "is missing, yet the run holds checkpoints"
+    newest = complete[-1] if complete else None
+    if fallback and newest is not None:
+        print(f"warning: {pointer} {problem}; resuming from the newest complete checkpoint, "
+              f"{newest.name}", file=sys.stderr)
+        return newest
+    offer = (f"; `--resume` continues from the newest complete checkpoint, {newest.name}"
+             if newest is not None else "; no complete checkpoint is left: start another run name")
+    raise InputError(f"{problem}{offer}", pointer)

@@ -11,7 +11,7 @@ from megabase.core.vocab import VOCAB_SIZE
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
 RUNTIME_FIELDS = ("kda_backend", "dsa_backend", "moe_chunk", "loss_chunk", "dsa_block")
-# How the DSA indexer chooses its candidates (megabase.kernels.dsa.candidates): saved with the
+# How the DSA indexer chooses its candidates (megabase.kernels.dsa.stage): saved with the
 # model, and a loader may choose otherwise (the exact scan as the reference, or another stage).
 STAGE_FIELDS = ("dsa_stage", "dsa_stage_from", "dsa_stage_block", "dsa_stage_blocks",
                 "dsa_stage_local", "dsa_stage_seed", "dsa_stage_seed_cap", "dsa_stage_carry")
@@ -131,8 +131,11 @@ class ModelConfig:
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
         from megabase.kernels.dsa import BACKENDS as DSA_BACKENDS
+        from megabase.kernels.kda import ALIASES as KDA_ALIASES
         from megabase.kernels.kda import BACKENDS as KDA_BACKENDS
 
+        # "torch", the reference's old name, is still in configs saved before the rename
+        self.kda_backend = KDA_ALIASES.get(self.kda_backend, self.kda_backend)
         choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": KDA_BACKENDS,
                    "dsa_stage": STAGES,
                    "dsa_backend": DSA_BACKENDS,
@@ -156,7 +159,7 @@ class ModelConfig:
         the exact scan."""
         if self.dsa_stage == "exact":
             return None
-        from megabase.kernels.dsa.candidates import Stage
+        from megabase.kernels.dsa.stage import Stage
 
         return Stage(self.dsa_stage, self.dsa_stage_from, self.dsa_stage_block,
                      self.dsa_stage_blocks, self.dsa_stage_local, self.dsa_stage_seed,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,11 +18,11 @@ from megabase.core.vocab import PAD
 
 from .cache import extend
 from .config import ModelConfig
-from .layers import Linear, RMSNorm
-from .sequence import ONE_PROCESS
+from .context import DEFAULT, Context
+from .layers import HeadProjections, Linear, RMSNorm
 
 
-class DSALayer(nn.Module):
+class DSALayer(HeadProjections):
     """``[B, T, d] -> [B, T, d]``: each token attends to ``topk`` earlier tokens chosen by an indexer.
 
     Main attention: ``dsa_heads`` query heads over ``dsa_kv_heads`` key/value heads (GQA) with
@@ -47,18 +45,13 @@ class DSALayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
         d = cfg.d_model
-        self.cfg = cfg
-        self.HQ, self.H, self.D = cfg.dsa_heads, cfg.dsa_kv_heads, cfg.dsa_head_dim
-        self.q_proj = Linear(d, self.HQ * self.D)
-        self.kv_proj = Linear(d, 2 * self.H * self.D)
-        self.q_norm, self.k_norm = RMSNorm(self.D, cfg.norm_eps), RMSNorm(self.D, cfg.norm_eps)
         self.qi_proj = Linear(d, cfg.index_heads * cfg.index_dim)
         self.ki_proj = Linear(d, cfg.index_dim)
         self.ki_norm = RMSNorm(cfg.index_dim, cfg.norm_eps)
         self.wi_proj = Linear(d, cfg.index_heads)
-        self.o_proj = Linear(self.HQ * self.D, d)
+        self.output_projection()
         self.kmer = None
         self.wi_bias = None
         if cfg.dsa_kmer:
@@ -68,19 +61,15 @@ class DSALayer(nn.Module):
             self.wi_bias = nn.Parameter(torch.ones(cfg.index_heads))
             self.init_copying()
         self.stage = cfg.stage()  # the indexer's candidate stage, or None: the exact scan
-        self.dense_warmup = False  # set by the trainer: dense attention whatever indexer_mode says
-        self.indexer_kl: torch.Tensor | None = None  # the last training forward's KL (for the log)
-        self.capture: SelectionCapture | None = None  # set by capture_selections (diagnostics)
-        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, ids: torch.Tensor | None = None,
-                seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y, aux_loss)``; with ``state`` it attends over cached keys and extends the
-        cache. ``ids [B, T]``: the tokens at these positions (needed with ``dsa_kmer``);
-        ``seeds [B, T, S]``: the candidate stage's seed keys of these queries
-        (:func:`megabase.kernels.dsa.seed_keys`, computed once per pass by the LM)."""
+    def forward(self, x: torch.Tensor, ctx: Context = DEFAULT):
+        """Returns ``(y, aux_loss, indexer KL)``, the KL (detached, a scalar) only from a training
+        forward; with ``ctx.state`` it attends over cached keys and extends the cache. From
+        ``ctx``: ``tokens [B, T]`` (needed with ``dsa_kmer``), ``seeds [B, T, S]`` (the candidate
+        stage's seed keys of these queries, :func:`megabase.kernels.dsa.seed_keys`, computed once
+        per pass by the LM), ``dense_warmup`` and ``selections`` (a :class:`SelectionCapture`)."""
         B, T, _ = x.shape
-        seq = self.sequence
+        seq, state, ids, u = ctx.sequence, ctx.state, ctx.tokens, ctx.untiled
         if state is not None:
             seq.check_streaming()
             tail = state.get("ids")
@@ -88,20 +77,23 @@ class DSALayer(nn.Module):
             tail = seq.before(ids, self.kmer.n)
         else:
             tail = None
-        q, k, v, qi, ki, wi = self.project(x, ids, tail)
+        q, k, v, qi, ki, wi = self.project(x, ids, tail, u)
         if state is not None and self.kmer is not None:
             state["ids"] = self.kmer.tail(ids, state.get("ids"))
         offset = seq.offset(T)
         if state is not None:
             offset = state["k"].shape[1] if "k" in state else offset
             k, v, ki = (extend(state, n, t) for n, t in (("k", k), ("v", v), ("ki", ki)))
-        if (self.cfg.indexer_mode == "dense" or self.dense_warmup) and state is None:
-            o, aux = self.attend_dense(q, k, v, qi, ki, wi)
+        if (self.cfg.indexer_mode == "dense" or ctx.dense_warmup) and state is None:
+            o, kl = self.attend_dense(q, k, v, qi, ki, wi)
         else:
             k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
-            o, aux = self.attend(q, k, v, qi, ki, wi, offset, seeds)
+            o, kl = self.attend(q, k, v, qi, ki, wi, offset, ctx.seeds, ctx.selections)
+        y = self.o_proj(o.reshape(B, T, self.HQ * self.D), u)
+        if kl is None:
+            return y, x.new_zeros((), dtype=torch.float), None
         # the indexer KL is a mean over queries: each shard holds 1 / size of them
-        return self.o_proj(o.reshape(B, T, self.HQ * self.D)), aux / seq.size
+        return y, self.cfg.indexer_loss_weight * kl / seq.size, kl.detach()
 
     @torch.no_grad()
     def init_copying(self) -> None:
@@ -120,15 +112,16 @@ class DSALayer(nn.Module):
         hq[..., iq : iq + ID] = hk[..., self.H * D :]
 
     def project(self, x: torch.Tensor, ids: torch.Tensor | None = None,
-                tail: torch.Tensor | None = None):
+                tail: torch.Tensor | None = None, untiled: bool = False):
         """``x [B, T, d]`` (and its tokens ``ids [B, T]``, the ``dsa_kmer`` tokens before them in
         ``tail``) -> ``(q [B,T,HQ,D], k, v [B,T,H,D], q_idx [B,T,IH,ID], k_idx [B,T,ID],
         w_idx [B,T,IH])``; the indexer reads a detached ``x``."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q, (k, v) = self.q_proj(x), self.kv_proj(x).reshape(B, T, 2, -1).unbind(2)
+        u = untiled
+        q, (k, v) = self.q_proj(x, u), self.kv_proj(x, u).reshape(B, T, 2, -1).unbind(2)
         xi = x.detach()
-        qi, ki = self.qi_proj(xi), self.ki_proj(xi)
+        qi, ki = self.qi_proj(xi, u), self.ki_proj(xi, u)
         if self.kmer is not None:
             if ids is None:
                 raise ValueError("a DSA layer with dsa_kmer needs the token ids")
@@ -140,7 +133,7 @@ class DSALayer(nn.Module):
         k, v = self.k_norm(k.reshape(B, T, self.H, self.D)), v.reshape(B, T, self.H, self.D)
         qi = qi.reshape(B, T, cfg.index_heads, cfg.index_dim)
         ki = self.ki_norm(ki)
-        wi = self.wi_proj(xi)
+        wi = self.wi_proj(xi, u)
         if self.wi_bias is not None:
             wi = wi + self.wi_bias
         return q, k, v, qi, ki, wi * cfg.index_heads**-0.5
@@ -148,24 +141,23 @@ class DSALayer(nn.Module):
     def _train_indexer(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def attend(self, q, k, v, qi, ki, wi, offset: int = 0, seeds: torch.Tensor | None = None):
+    def attend(self, q, k, v, qi, ki, wi, offset: int = 0, seeds: torch.Tensor | None = None,
+               selections: "SelectionCapture | None" = None):
         """Sparse attention of queries at positions ``offset..offset+Tq`` over keys ``0..Tk``:
-        ``(o [B, Tq, HQ, D], indexer_loss_weight * KL averaged over the queries, or 0)``."""
+        ``(o [B, Tq, HQ, D], the indexer's KL averaged over the queries, or None when not
+        training)``; ``selections`` records the top-k of the queries it covers."""
         cfg = self.cfg
         backend = cfg.dsa_backend
         stage = None if self.stage is None else self.stage.encode()
         idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset, backend,
                              stage, seeds)
-        if self.capture is not None:
-            self.capture.add(idx, offset)
+        if selections is not None:
+            selections.add(idx, offset)
         if not self._train_indexer():
-            o = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend)
-            return o, q.new_zeros((), dtype=torch.float)
+            return sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend), None
         o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, return_probs=True,
                                 backend=backend)
-        kl = indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
-        self.indexer_kl = kl.detach()
-        return o, cfg.indexer_loss_weight * kl
+        return o, indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
 
     def attend_dense(self, q, k, v, qi, ki, wi):
         """The indexer warm-up: dense causal attention, the indexer trained toward its weights."""
@@ -173,12 +165,9 @@ class DSALayer(nn.Module):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
             v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
-        aux = q.new_zeros((), dtype=torch.float)
-        if self._train_indexer():
-            kl = indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=self.cfg.dsa_block)
-            self.indexer_kl = kl.detach()
-            aux = self.cfg.indexer_loss_weight * kl
-        return o, aux
+        if not self._train_indexer():
+            return o, None
+        return o, indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=self.cfg.dsa_block)
 
 
 class KmerHash(nn.Module):
@@ -246,16 +235,8 @@ class SelectionCapture:
             self.seen[a - self.lo : b - self.lo] = True
 
 
-@contextmanager
-def capture_selections(model, lo: int, hi: int):
-    """Record every DSA layer's top-k for query positions ``[lo, hi)`` while the block runs:
-    yields one :class:`SelectionCapture` per DSA layer (in layer order)."""
-    layers = [m for m in model.modules() if isinstance(m, DSALayer)]
-    captures = [SelectionCapture(lo, hi, layer.cfg.topk) for layer in layers]
-    for layer, cap in zip(layers, captures):
-        layer.capture = cap
-    try:
-        yield captures
-    finally:
-        for layer in layers:
-            layer.capture = None
+def capture_selections(model, lo: int, hi: int) -> list[SelectionCapture]:
+    """One empty :class:`SelectionCapture` per DSA layer of ``model`` (in layer order) for query
+    positions ``[lo, hi)``: pass them as ``Context.capture`` and they fill as the layers run."""
+    return [SelectionCapture(lo, hi, block.mixer.cfg.topk) for block in model.blocks
+            if isinstance(block.mixer, DSALayer)]

@@ -11,8 +11,8 @@ from torch import nn
 from megabase.kernels.pointwise import sigmoid
 
 from .config import ModelConfig
+from .context import DEFAULT, Context
 from .layers import Linear, RMSNorm, ShortConv
-from .sequence import ONE_PROCESS
 
 MEMORY_RANGE = (2.0, 16384.0)  # initial per-channel memory lengths (tokens), log-uniform
 
@@ -46,24 +46,26 @@ class KDALayer(nn.Module):
         self.dt_bias = nn.Parameter(torch.logit(1.0 / (memory * -cfg.kda_lower_bound)))
         self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.o_proj = Linear(H * K, d)
-        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y, aux_loss)``; with ``state`` (a dict) it continues from and updates it."""
-        seq, qkv = self.sequence, self.qkv(x)
+    def forward(self, x: torch.Tensor, ctx: Context = DEFAULT):
+        """Returns ``(y, aux_loss, None)``; with ``ctx.state`` (a dict) it continues from and
+        updates it."""
+        seq, state, u = ctx.sequence, ctx.state, ctx.untiled
+        qkv = self.qkv(x, u)
         if state is None:
             tail = seq.before(qkv, self.cfg.kda_conv - 1)  # the conv's inputs across a shard border
         else:
             seq.check_streaming()
             tail = state.get("conv")
-        q, k, v, g, beta, tail = self.features(qkv, x, tail)
+        q, k, v, g, beta, tail = self.features(qkv, x, tail, u)
         o, final = seq.kda(q, k, v, g, beta, initial_state=None if state is None else state.get("S"),
                            output_final_state=state is not None, backend=self.cfg.kda_backend)
         if state is not None:
             state["conv"], state["S"] = tail, final
-        return self.output(o, x), x.new_zeros((), dtype=torch.float)
+        return self.output(o, x, u), x.new_zeros((), dtype=torch.float), None
 
-    def features(self, qkv: torch.Tensor, x: torch.Tensor, tail: torch.Tensor | None = None):
+    def features(self, qkv: torch.Tensor, x: torch.Tensor, tail: torch.Tensor | None = None,
+                 untiled: bool = False):
         """Pre-conv projections ``qkv [B, T, 3HK]`` of ``x [B, T, d]`` (and the last ``kda_conv - 1``
         rows before them, ``tail``) -> ``(q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H],
         new_tail)``: the inputs of the KDA op."""
@@ -73,13 +75,21 @@ class KDALayer(nn.Module):
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         backend = self.cfg.kda_backend
-        beta = sigmoid(self.b_proj(x).float(), backend)
-        f = self.f_proj(x).float().reshape(B, T, H, K) + self.dt_bias.float().reshape(H, K)
+        beta = sigmoid(self.b_proj(x, untiled).float(), backend)
+        f = _low_rank(self.f_proj, x, untiled).float().reshape(B, T, H, K) + self.dt_bias.float().reshape(H, K)
         g = self.cfg.kda_lower_bound * sigmoid(self.A_log.float().exp()[:, None] * f, backend)
         return q, k, v, g, beta, tail
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, x: torch.Tensor, untiled: bool = False) -> torch.Tensor:
         """KDA op output ``o [B, T, H, K]`` -> ``[B, T, d]`` (gated head norm, output projection)."""
         B, T, _ = x.shape
-        gate = sigmoid(self.g_proj(x), self.cfg.kda_backend).reshape(B, T, self.H, self.K)
-        return self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, self.H * self.K))
+        gate = sigmoid(_low_rank(self.g_proj, x, untiled), self.cfg.kda_backend)
+        gate = gate.reshape(B, T, self.H, self.K)
+        return self.o_proj((self.o_norm(o.to(x.dtype)) * gate).reshape(B, T, self.H * self.K),
+                           untiled)
+
+
+def _low_rank(pair: nn.Sequential, x: torch.Tensor, untiled: bool) -> torch.Tensor:
+    """The two products of a rank-``r`` projection (an ``nn.Sequential`` of two :class:`Linear`,
+    the layout checkpoints store)."""
+    return pair[1](pair[0](x, untiled), untiled)

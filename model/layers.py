@@ -10,10 +10,6 @@ the full pass exactly.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,43 +33,14 @@ class RMSNorm(nn.Module):
 
 
 ROW_TILE = 1024
-_untiled = threading.local()
 
 
-@contextmanager
-def untiled() -> Iterator[None]:
-    """Products on the rows given instead of whole canonical tiles, in this thread, for incremental
-    decoding: one new token then costs one row, not ``ROW_TILE``. Its numbers move by fp32
-    round-off, so a piece no longer gives the full pass's exact bits."""
-    before = getattr(_untiled, "on", False)
-    _untiled.on = True
-    try:
-        yield
-    finally:
-        _untiled.on = before
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch ops (and the C kernels, which take torch's thread count) on one thread: a step
-    of a few tokens is hundreds of tiny ops, which threads only slow down (20x on 2 busy cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def is_untiled() -> bool:
-    """Whether this thread runs inside :func:`untiled` (incremental decoding)."""
-    return getattr(_untiled, "on", False)
-
-
-def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows (on the
-    rows as given inside :func:`untiled`)."""
-    if is_untiled():
+def tiled_matmul(x: torch.Tensor, weight: torch.Tensor, untiled: bool = False,
+                 tile: int = ROW_TILE) -> torch.Tensor:
+    """``x [..., K] @ weight.T`` (``weight [N, K]``) on zero-padded tiles of ``tile`` rows; with
+    ``untiled`` on the rows as given: a decoding step's one new token then costs one row, not
+    ``ROW_TILE``, and its numbers move by fp32 round-off (``Context.untiled``)."""
+    if untiled:
         return torch.matmul(x, weight.t().to(x.dtype))
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
@@ -91,8 +58,8 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(x, self.weight)
+    def forward(self, x: torch.Tensor, untiled: bool = False) -> torch.Tensor:
+        return tiled_matmul(x, self.weight, untiled)
 
 
 class ShortConv(nn.Module):
@@ -121,5 +88,25 @@ class SwiGLU(nn.Module):
         self.w13 = Linear(dim, 2 * hidden)
         self.w2 = Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w13(x)))
+    def forward(self, x: torch.Tensor, untiled: bool = False) -> torch.Tensor:
+        return self.w2(swiglu(self.w13(x, untiled)), untiled)
+
+
+class HeadProjections(nn.Module):
+    """The projections of softmax attention heads, shared by the dense and the sparse mixer:
+    ``q_proj`` to ``dsa_heads`` queries and ``kv_proj`` to ``dsa_kv_heads`` keys and values of
+    ``dsa_head_dim`` (GQA), their QK-RMSNorms, and ``o_proj`` back to ``d_model``, made by
+    :meth:`output_projection` after the subclass's own projections (the order in which a seed
+    draws every layer's initial weights)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.cfg = cfg
+        self.HQ, self.H, self.D = cfg.dsa_heads, cfg.dsa_kv_heads, cfg.dsa_head_dim
+        self.q_proj = Linear(d, self.HQ * self.D)
+        self.kv_proj = Linear(d, 2 * self.H * self.D)
+        self.q_norm, self.k_norm = RMSNorm(self.D, cfg.norm_eps), RMSNorm(self.D, cfg.norm_eps)
+
+    def output_projection(self) -> None:
+        self.o_proj = Linear(self.HQ * self.D, self.cfg.d_model)

@@ -6,11 +6,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megabase.kernels.pointwise import sigmoid, swiglu
+from megabase.kernels.moe import expert_swiglu
+from megabase.kernels.pointwise import sigmoid
 
 from .config import ModelConfig
-from .layers import ROW_TILE, Linear, SwiGLU, is_untiled
-from .sequence import ONE_PROCESS
+from .context import DEFAULT, Context
+from .layers import ROW_TILE, Linear, SwiGLU
 
 EXPERT_TILE = 64  # an expert sees ~ROW_TILE * k / E rows of a group: small tiles waste less padding
 
@@ -50,30 +51,8 @@ def _dispatch(sel: torch.Tensor, E: int):
     return tok, slots, tiles
 
 
-def _grouped(x: torch.Tensor) -> bool:
-    # torch._grouped_mm: any dtype on CPU; on CUDA its kernels (sm90+) take bf16 only
-    return hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
-
-
-def _expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor):
-    """SwiGLU of each expert over its rows: ``x [m, d]`` grouped by expert, ``rows [E]`` per expert.
-
-    One grouped GEMM per projection where torch has them (no per-expert launches), else one
-    product per expert. ``w13 [E, d, 2h]``, ``w2 [E, h, d]``; returns ``[m, d]``.
-    """
-    if _grouped(x):
-        offs = torch.cumsum(rows, 0).to(torch.int32)
-        return torch._grouped_mm(swiglu(torch._grouped_mm(x, w13, offs=offs)), w2, offs=offs)
-    ys, r0 = [], 0
-    for e, count in enumerate(rows.tolist()):
-        if count:
-            ys.append(swiglu(x[r0 : r0 + count] @ w13[e]) @ w2[e])
-            r0 += count
-    return torch.cat(ys)
-
-
 class MoE(nn.Module):
-    """``[B, T, d] -> ([B, T, d], aux_loss, stats [E, 1 + N_MARGIN_BINS])``.
+    """``[B, T, d] -> ([B, T, d], aux_loss, stats [E, 1 + N_MARGIN_BINS], (used, own))``.
 
     Router: ``s = sigmoid(x W_r)`` (fp32); each token takes the ``experts_per_token`` experts with
     the highest ``s + bias``; gates are the selected ``s`` normalised to sum 1, times
@@ -95,33 +74,30 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.randn(E, d, 2 * h) * d**-0.5)
         self.w2 = nn.Parameter(torch.randn(E, h, d) * h**-0.5)
         self.shared = SwiGLU(d, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
-        self.sequence = ONE_PROCESS  # or a context group (model/sequence.py)
-        # a routing tape (megabase.rl.replay) records each token's experts or imposes recorded ones
-        self.tape = None
 
-    def _route(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+    def _route(self, x: torch.Tensor, forced: torch.Tensor | None = None, untiled: bool = False):
         """``x [n, d]`` -> (scores [n, E] fp32, selected experts [n, k], gates [n, k], own choice
         [n, k]). ``forced [n, k]``: experts to use instead of the router's own top k (routing
         replay); the gates are still the router's scores of them, so the router keeps its
         gradient."""
-        scores = sigmoid(self.router(x).float())
+        scores = sigmoid(self.router(x, untiled).float())
         own = (scores.detach() + self.bias).topk(self.cfg.experts_per_token, dim=-1).indices
         sel = own if forced is None else forced.long()
         gates = scores.gather(-1, sel)
         gates = gates / gates.sum(-1, keepdim=True) * self.cfg.routed_scale
         return scores, sel, gates, own
 
-    def _chunk(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+    def _chunk(self, x: torch.Tensor, forced: torch.Tensor | None = None, untiled: bool = False):
         """One chunk ``[n, d]`` -> (out [n, d], stats [E, 1 + N_MARGIN_BINS], normalised score sum
         [E], experts used [n, k], the router's own choice [n, k])."""
         E = self.cfg.n_experts
-        scores, sel, gates, own = self._route(x, forced)
-        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        scores, sel, gates, own = self._route(x, forced, untiled)
+        out = self.shared(x, untiled) if self.shared is not None else torch.zeros_like(x)
         tok, slot, tiles = _dispatch(sel, E)
         if tok.numel():
             rows = tok.clamp(min=0)
             xt = x.index_select(0, rows).masked_fill((tok < 0)[:, None], 0.0)
-            y = _expert_ffn(xt, self.w13.to(x.dtype), self.w2.to(x.dtype), tiles * EXPERT_TILE)
+            y = expert_swiglu(xt, self.w13.to(x.dtype), self.w2.to(x.dtype), tiles * EXPERT_TILE)
             keep = tok >= 0
             g = gates[rows[keep], slot[keep], None]
             out = out.index_add(0, rows[keep], (y[keep] * g.to(y.dtype)).to(out.dtype))
@@ -149,22 +125,23 @@ class MoE(nn.Module):
         flat = torch.arange(E, device=m.device) * N_MARGIN_BINS + b
         return torch.bincount(flat.reshape(-1), minlength=E * N_MARGIN_BINS).reshape(E, -1).float()
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, ctx: Context = DEFAULT):
         B, T, d = x.shape
-        E, chunk = self.cfg.n_experts, self.cfg.moe_chunk
+        E, k, chunk = self.cfg.n_experts, self.cfg.experts_per_token, self.cfg.moe_chunk
+        forced = ctx.experts if ctx.follow_replay else None
+        if forced is not None and (forced.shape[0] != B or forced.shape[1] != T):
+            raise ValueError(f"routing replay: recorded experts {tuple(forced.shape)} for a "
+                             f"[{B}, {T}] call")
         outs, aux = [], x.new_zeros((), dtype=torch.float)
         stats = torch.zeros(E, 1 + N_MARGIN_BINS, device=x.device)
-        forced = None if self.tape is None else self.tape.take(self, B, T)
         used, owns = [], []
-        if is_untiled() and not torch.is_grad_enabled() and B * T <= chunk:
+        if ctx.untiled and not torch.is_grad_enabled() and B * T <= chunk:
             # a decoding step: the batch's few new tokens as one chunk, not one per sequence
             # (untiled numbers move by round-off anyway; 16 sequences of cpu-small: 4x faster)
             y, stats, _, sel, own = self._chunk(
-                x.reshape(B * T, d), None if forced is None else forced.reshape(B * T, -1))
-            if self.tape is not None:
-                k = self.cfg.experts_per_token
-                self.tape.put(self, sel.reshape(B, T, k), own.reshape(B, T, k))
-            return y.reshape(B, T, d), aux, stats.detach()
+                x.reshape(B * T, d), None if forced is None else forced.reshape(B * T, -1), True)
+            choice = (sel.reshape(B, T, k).to(torch.uint8), own.reshape(B, T, k).to(torch.uint8))
+            return y.reshape(B, T, d), aux, stats.detach(), choice
         for b in range(B):
             seq_stats = torch.zeros_like(stats)
             seq_share = torch.zeros(E, device=x.device)
@@ -172,23 +149,25 @@ class MoE(nn.Module):
                 xc = x[b, s : s + chunk]
                 fc = None if forced is None else forced[b, s : s + chunk]
                 if torch.is_grad_enabled() and T > chunk:
-                    y, cnt, share, sel, own = checkpoint(self._chunk, xc, fc, use_reentrant=False)
+                    y, cnt, share, sel, own = checkpoint(self._chunk, xc, fc, ctx.untiled,
+                                                         use_reentrant=False)
                 else:
-                    y, cnt, share, sel, own = self._chunk(xc, fc)
+                    y, cnt, share, sel, own = self._chunk(xc, fc, ctx.untiled)
                 outs.append(y)
-                used.append(sel)
-                owns.append(own)
+                used.append(sel.to(torch.uint8))
+                owns.append(own.to(torch.uint8))
                 seq_stats, seq_share = seq_stats + cnt, seq_share + share
             stats = stats + seq_stats
             if self.cfg.seq_aux_weight > 0 and T > 0:
                 # a shard's sequence is the whole of it: its counts summed over the context group
-                aux = aux + self.balance_loss(self.sequence.total(seq_stats[:, 0]), seq_share,
-                                              T * self.sequence.size) / B
+                aux = aux + self.balance_loss(ctx.sequence.total(seq_stats[:, 0]), seq_share,
+                                              T * ctx.sequence.size) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
-        if self.tape is not None and outs:
-            k = self.cfg.experts_per_token
-            self.tape.put(self, torch.cat(used).reshape(B, T, k), torch.cat(owns).reshape(B, T, k))
-        return y, aux, stats.detach()
+        if outs:
+            choice = (torch.cat(used).reshape(B, T, k), torch.cat(owns).reshape(B, T, k))
+        else:
+            choice = (x.new_zeros(B, T, k, dtype=torch.uint8),) * 2
+        return y, aux, stats.detach(), choice
 
     def balance_loss(self, load: torch.Tensor, share: torch.Tensor, T: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss of one sequence of ``T`` tokens from its routed

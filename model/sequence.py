@@ -1,7 +1,7 @@
 """Where a layer's sequence lives: whole in this process, or sharded across a context group.
 
 A layer's forward is the same either way. The steps that differ are the ones that cross a shard's
-border, and each layer calls them on its ``sequence`` attribute:
+border, and each layer calls them on its call's ``Context.sequence``:
 
 * ``before(x, n)``: the ``n`` rows just before this shard (the short conv's and the k-mer hashes'
   inputs); ``None`` at the start of the sequence, where the layer pads.
@@ -13,7 +13,7 @@ border, and each layer calls them on its ``sequence`` attribute:
   the number of shards.
 
 :data:`ONE_PROCESS` makes them identities; :class:`megabase.pipeline.context_parallel.ContextParallel`
-implements them with collectives, and ``HybridLM.set_sequence`` hands a group to every layer. So
+implements them with collectives, and a model's context carries the group to every layer. So
 a change to a layer's forward runs under context parallelism as written, with nothing to mirror.
 """
 

@@ -1,5 +1,5 @@
 """Running a model over a long sequence piece by piece: memory bounded by the piece, the numbers of
-the full pass.
+the full pass; and the two moves of every sampler, :func:`prefill` and :func:`decode_step`.
 
 Each piece continues from the carried state (KDA states, conv tails, DSA key caches, the k-mer
 tables' last tokens). :func:`stream` commits state only at multiples of ``ROW_TILE`` positions,
@@ -7,24 +7,44 @@ where every canonical tile of the full pass begins; the tokens of an unfinished 
 with the next piece (at most ``ROW_TILE - 1`` tokens of extra work per piece), so on CPU all but a
 few tokens come out bit for bit as in one pass (see the README). :func:`advance` commits wherever
 it stops (incremental decoding, variants scored from a shared prefix): the same numbers to fp32
-round-off.
+round-off. :func:`decode_step` is :func:`advance` of one new token per sequence with untiled
+products on one thread, what generation, RL rollouts and the Hugging Face wrapper all take.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .context import Context
 from .layers import ROW_TILE
 from .lm import HybridLM
 
 
+@dataclass
+class Piece:
+    """What a piece of a streamed call gives: ``logits [B, n, 4]`` fp32 over A/C/G/T and, per MoE
+    layer, the experts its tokens went to (``routing``, ``[B, n, k]`` uint8)."""
+
+    logits: torch.Tensor
+    routing: list[torch.Tensor]
+
+
 @torch.no_grad()
-def advance(model: HybridLM, inputs: torch.Tensor, state: list[dict], layer: int | None = None):
+def advance(model: HybridLM, inputs: torch.Tensor, state: list[dict], layer: int | None = None,
+            ctx: Context | None = None):
     """Run ``inputs [B, n]`` from ``state`` (``model.init_state()`` at the start; extended in
-    place) -> ``(logits [B, n, 4] fp32, hidden [B, n, d] after block ``layer`` or None)``."""
+    place) -> ``(logits [B, n, 4] fp32, hidden [B, n, d] after block ``layer`` or None)``.
+    ``ctx``: how the call runs (:meth:`HybridLM.context`)."""
+    logits, hidden, _ = _run(model, inputs, state, layer, ctx)
+    return logits, hidden
+
+
+def _run(model: HybridLM, inputs, state, layer, ctx):
     captured: list[torch.Tensor] = []
     handle = None
     if layer is not None:
@@ -33,11 +53,46 @@ def advance(model: HybridLM, inputs: torch.Tensor, state: list[dict], layer: int
         handle = model.blocks[layer - 1].register_forward_hook(
             lambda module, args, out: captured.append(out[0]))
     try:
-        logits = model(inputs, state=state).logits
+        out = model(inputs, state=state, ctx=ctx)
     finally:
         if handle is not None:
             handle.remove()
-    return logits, (captured[0] if captured else None)
+    return out.logits, (captured[0] if captured else None), out.routing
+
+
+@torch.no_grad()
+def prefill(model: HybridLM, tokens: torch.Tensor, segment: int,
+            state: list[dict] | None = None) -> tuple[list[dict], Piece]:
+    """Read ``tokens [B, P]`` into a state (a new one, or ``state`` extended) ``segment`` tokens
+    at a time -> ``(state, the last piece's logits with every piece's routing)``."""
+    state = model.init_state() if state is None else state
+    logits, parts = None, []
+    for s in range(0, tokens.shape[1], segment):
+        logits, _, routing = _run(model, tokens[:, s : s + segment], state, None, None)
+        parts.append(routing)
+    return state, Piece(logits, [torch.cat(layer, 1) for layer in zip(*parts)])
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch ops (and the C kernels, which take torch's thread count) on one thread: a step
+    of a few tokens is hundreds of tiny ops, which threads only slow down (20x on 2 busy cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.no_grad()
+def decode_step(model: HybridLM, tokens: torch.Tensor, state: list[dict]) -> Piece:
+    """One decoding step: ``tokens [B, 1]`` (each sequence's newest base) from ``state``
+    (extended) -> its logits ``[B, 1, 4]`` and routing, untiled on one thread (fp32 round-off
+    from a full pass, :class:`~megabase.model.context.Context`'s ``untiled``)."""
+    with one_thread():
+        logits, _, routing = _run(model, tokens, state, None, model.context(untiled=True))
+    return Piece(logits, routing)
 
 
 def fork(state: list[dict]) -> list[dict]:
@@ -47,7 +102,8 @@ def fork(state: list[dict]) -> list[dict]:
 
 @torch.no_grad()
 def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
-           layer: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+           layer: int | None = None,
+           ctx: Context | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
     """Yields ``(start, logits [B, n, 4] fp32, hidden [B, n, d] or None)`` for consecutive pieces of
     ``inputs [B, T]`` (``segment``: a length, or lengths summing to ``T``): the next-base logits
     over A/C/G/T at positions ``start .. start + n``, and with ``layer`` (1..n_layers) the residual
@@ -58,9 +114,9 @@ def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
         boundary = committed + (end - committed) // ROW_TILE * ROW_TILE
         parts = []
         if boundary > committed:
-            parts.append(advance(model, inputs[:, committed:boundary], state, layer))
+            parts.append(advance(model, inputs[:, committed:boundary], state, layer, ctx))
         if end > boundary:
-            parts.append(advance(model, inputs[:, boundary:end], fork(state), layer))
+            parts.append(advance(model, inputs[:, boundary:end], fork(state), layer, ctx))
         logits = torch.cat([p[0] for p in parts], dim=1)[:, start - committed :]
         hidden = None if layer is None else torch.cat([p[1] for p in parts], dim=1)[:, start - committed :]
         yield start, logits, hidden
@@ -68,17 +124,18 @@ def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
 
 
 @torch.no_grad()
-def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None):
+def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None,
+              ctx: Context | None = None):
     """``log p(tokens[:, t+1] | tokens[:, :t+1])`` for every t: ``[B, T-1]`` fp32.
 
     With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
-    piece by piece (:func:`stream`), with the full pass's numbers.
+    piece by piece (:func:`stream`), with the full pass's numbers. ``ctx``: how the calls run.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if segment is None:
-        return -model(inputs, targets).nll
+        return -model(inputs, targets, ctx=ctx).nll
     parts = []
-    for start, logits, _ in stream(model, inputs, segment):
+    for start, logits, _ in stream(model, inputs, segment, ctx=ctx):
         target = targets[:, start : start + logits.shape[1]].long().clamp(max=logits.shape[-1] - 1)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                               reduction="none")

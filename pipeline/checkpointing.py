@@ -11,11 +11,8 @@ leaves the previous checkpoint in place and still named.
 from __future__ import annotations
 
 import io
-import re
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,14 +20,10 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 from megabase.core.atomic import remove_stale_temps, write_atomic
-from megabase.core.errors import InputError
-from megabase.core.locks import hold_reading, release_reading, remove_unless_read
-from megabase.model.checkpoint import WEIGHTS, save_checkpoint
-
-from megabase.core.errors import CheckpointWriteError
-
-TRAINER_STATE = "trainer.pt"
-LATEST = "latest"
+from megabase.core.errors import CheckpointWriteError, InputError
+from megabase.core.locks import remove_unless_read
+from megabase.model.checkpoint import (LATEST, TRAINER_STATE, WEIGHTS, checkpoint_step,
+                                       complete_checkpoints, save_checkpoint)
 
 
 class DirectoryCheckpointIO(CheckpointIO):
@@ -62,86 +55,6 @@ class DirectoryCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         shutil.rmtree(path, ignore_errors=True)
-
-
-STEP_NAME = re.compile(r"step-\d{6,}")
-
-
-def checkpoint_step(path: Path) -> int:
-    """The step in a ``step-N`` folder's name."""
-    return int(path.name[len("step-"):])
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's ``checkpoints/step-N`` folders that hold every file, oldest first."""
-    folder = Path(run_dir) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted((p for p in folder.iterdir() if STEP_NAME.fullmatch(p.name)
-                   and (p / TRAINER_STATE).is_file() and (p / WEIGHTS).is_file()),
-                  key=checkpoint_step)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder as given, or a run folder's latest checkpoint."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        return latest_checkpoint(path) or path
-    return path
-
-
-@contextmanager
-def held_checkpoint(path: str | Path, tries: int = 5) -> Iterator[Path]:
-    """:func:`resolve_checkpoint` of ``path``, held for the block (``core.locks.hold_reading``)
-    so that the rotation of a run training meanwhile cannot remove it. When rotation removes a
-    run folder's latest checkpoint before it is held, the new latest is taken (up to ``tries``
-    times). A folder that is not there is yielded unheld: reading it gives the error."""
-    fd = None
-    for _ in range(tries):
-        ckpt = resolve_checkpoint(path)
-        if not (ckpt / WEIGHTS).is_file():  # no checkpoint: no hold file in the user's folder
-            break
-        try:
-            fd = hold_reading(ckpt)
-            break
-        except FileNotFoundError:
-            if ckpt == Path(path):  # not a run's latest: no other one to take
-                break
-    try:
-        yield ckpt
-    finally:
-        release_reading(fd)
-
-
-def latest_checkpoint(run_dir: Path, fallback: bool = False) -> Path | None:
-    """The checkpoint ``checkpoints/latest`` names, or None for a run with no checkpoints.
-
-    A pointer that is not a ``step-N`` name, or that names a folder which is missing or
-    incomplete, or a run folder with checkpoints but no pointer, is an InputError offering the
-    newest complete checkpoint; with ``fallback`` that one is returned instead, with a warning.
-    """
-    pointer = Path(run_dir) / "checkpoints" / LATEST
-    complete = complete_checkpoints(run_dir)
-    if not pointer.is_file() and not complete:
-        return None
-    if pointer.is_file():
-        name = pointer.read_text(errors="replace").strip()
-        if not STEP_NAME.fullmatch(name):
-            problem = f"names {name[:60]!r}, not a checkpoint of this run (step-NNNNNN)"
-        elif (pointer.parent / name) in complete:
-            return pointer.parent / name
-        else:
-            problem = f"names {name}, which is missing or incomplete"
-    else:
-        problem = "is missing, yet the run holds checkpoints"
-    newest = complete[-1] if complete else None
-    if fallback and newest is not None:
-        print(f"warning: {pointer} {problem}; resuming from the newest complete checkpoint, "
-              f"{newest.name}", file=sys.stderr)
-        return newest
-    offer = (f"; `--resume` continues from the newest complete checkpoint, {newest.name}"
-             if newest is not None else "; no complete checkpoint is left: start another run name")
-    raise InputError(f"{problem}{offer}", pointer)
 
 
 def trainer_state(path: Path) -> dict:
@@ -179,7 +92,7 @@ def saved_step(path: Path) -> int:
 def rotate_checkpoints(run_dir: Path, step: int, keep: int) -> list[Path]:
     """Remove the run's complete checkpoints older than ``step`` but the newest ``keep - 1``
     of them (other files in ``checkpoints/`` stay), except those a reader holds
-    (:func:`held_checkpoint`: ``megabase evaluate``), which a later rotation removes. Returns the
+    (:func:`~megabase.model.checkpoint.held_checkpoint`: ``megabase evaluate``), which a later rotation removes. Returns the
     ones kept for their readers."""
     older = [p for p in complete_checkpoints(run_dir) if checkpoint_step(p) < step]
     return [old for old in older[: -(keep - 1) or None] if not remove_unless_read(old)]
@@ -187,7 +100,7 @@ def rotate_checkpoints(run_dir: Path, step: int, keep: int) -> list[Path]:
 
 class PeriodicCheckpoint(pl.Callback):
     """Saves every ``every`` optimizer steps and at the end; keeps the newest ``keep``, and any
-    older one that ``megabase evaluate`` is reading (:func:`held_checkpoint`) until it is done."""
+    older one that ``megabase evaluate`` is reading (``held_checkpoint``) until it is done."""
 
     def __init__(self, run_dir: Path, every: int, keep: int = 2):
         self.dir, self.every, self.keep = Path(run_dir) / "checkpoints", every, keep

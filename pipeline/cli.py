@@ -108,9 +108,9 @@ def _section(cls, args: argparse.Namespace):
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from megabase.eval.evaluate import evaluate
+    from .tracking import evaluate_tracked
 
-    report = evaluate(
+    report = evaluate_tracked(
         args.checkpoint, args.data, _section(EvalConfig, args), out=args.out, windows=args.windows,
         split=args.split, progress=not args.quiet, mlflow_run=args.mlflow_run,
         experiment=args.experiment, tracking_uri=args.tracking_uri, track=not args.no_mlflow)
@@ -118,9 +118,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_log(args: argparse.Namespace) -> None:
-    from megabase.eval.evaluate import log_saved_report
     from megabase.eval.report import check_loggable
-    from megabase.eval.tracking import DEFAULT_EXPERIMENT
+
+    from .tracking import DEFAULT_EXPERIMENT, log_saved_report
 
     out = Path(args.report)
     path = out / "report.json" if out.is_dir() else out
@@ -144,8 +144,7 @@ def cmd_baseline(args: argparse.Namespace) -> None:
 
     given = {k: v for k, v in (("length", args.length), ("n_boot", args.bootstrap),
                                ("seed", args.seed)) if v is not None}  # else the function's defaults
-    common = dict(progress=not args.quiet, experiment=args.experiment,
-                  tracking_uri=args.tracking_uri, **given)
+    common = dict(progress=not args.quiet, **given)
     if args.kind == "markov":
         if args.order is None:
             raise InputError("baseline markov needs --order K (0..14)")
@@ -155,6 +154,12 @@ def cmd_baseline(args: argparse.Namespace) -> None:
         options = _section(EvalConfig, args)
         report = copy_baseline(args.data, _csv(args.train), _csv(args.eval), args.out,
                                spec=options.copy_spec(), controls=list(options.controls), **common)
+    if args.experiment:  # the report is on disk first: a failing store costs no scoring
+        from .tracking import log_saved_report
+
+        log_saved_report(report, Path(args.out), dict(
+            tracking_uri=args.tracking_uri, experiment=args.experiment, run_name=report["name"],
+            kind="baseline"))
     summary.print_report(report)
 
 
@@ -163,7 +168,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
     if args.csv and Path(args.csv).is_dir():
         raise InputError("is a directory; --csv takes a file name", args.csv)
-    table = compare(args.refs, tracking_uri=args.tracking_uri, with_baselines=args.baselines)
+    from .tracking import load_report
+
+    table = compare(args.refs, lambda ref: load_report(ref, args.tracking_uri),
+                    with_baselines=args.baselines)
     summary.print_compare(table)
     if args.csv:
         from megabase.core.atomic import write_atomic
@@ -541,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megabase {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from megabase.eval.tracking import TrackingStoreError, is_locked, store_failure
+        from .tracking import TrackingStoreError, is_locked, store_failure
 
         if isinstance(exc, TrackingStoreError) or is_locked(exc):
             line = str(exc).splitlines()[0]

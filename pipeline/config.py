@@ -454,7 +454,7 @@ def check_init_from(cfg: RunConfig) -> None:
     """Before a stage writes anything: ``train.init_from`` is a checkpoint (one line if not)."""
     from megabase.model import read_checkpoint_config
 
-    from .checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     if cfg.train.init_from is not None:
         read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))
@@ -535,7 +535,7 @@ def model_config(cfg: RunConfig):
     from megabase.model import ModelConfig, get_preset, read_checkpoint_config
     from megabase.model.config import RUNTIME_FIELDS
 
-    from .checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     if cfg.train.init_from is None:
         return get_preset(cfg.model.preset, **cfg.model.overrides)

@@ -4,7 +4,7 @@ Applied to a built :class:`~megabase.model.HybridLM` from outside (before recomp
 as torchtitan applies its parallelisms; parameter names do not change, so checkpoints are the same
 at any world size. The layers keep their one forward: :class:`ContextParallel` is the
 :mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``total``) done with
-collectives, handed to every layer by ``HybridLM.set_sequence``. Per layer kind:
+collectives, handed to every layer in each call's :class:`~megabase.model.context.Context`. Per layer kind:
 
 * KDA: the recurrence ``S_t = A_t S_{t-1} + beta_t k_t v_t^T`` (``A_t = (I - beta_t k_t k_t^T)
   Diag(exp g_t)``) is affine in the state, so a shard maps its incoming state ``S`` to
@@ -178,6 +178,5 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) -
     if model.cfg.indexer_mode != "sparse" and any(b.kind == "dsa" for b in model.blocks):
         raise ValueError("context parallelism needs model.indexer_mode=sparse (the dense indexer "
                          "warm-up is single-process)")
-    model.set_sequence(cp)
-    model.context_parallel = cp
+    model.sequence = cp  # the model's calls then hand it to every layer in their Context
     return model

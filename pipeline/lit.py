@@ -121,11 +121,8 @@ class LitLM(pl.LightningModule):
             ids, targets, mask = self._plant_repeats(targets, frac,
                                                      batch_idx % self.cfg.train.grad_accum)
         warm = self.global_step < self.cfg.train.indexer_warmup_steps
-        for block in self.model.blocks:
-            if block.kind == "dsa":
-                block.mixer.dense_warmup, block.mixer.indexer_kl = warm, None
         ids, targets, mask = self.layout.shard(ids, targets, mask)
-        out = self.model(ids, targets, loss_mask=mask)
+        out = self.model(ids, targets, loss_mask=mask, ctx=self.model.context(dense_warmup=warm))
         step = objective(out, self.layout)
         # the global loss across processes, so that every rank stops together
         total = step.objective.detach() if self.layout.world == 1 else step.lm_loss + step.aux_loss
@@ -138,9 +135,8 @@ class LitLM(pl.LightningModule):
         self._tokens += step.n_tokens
         first = batch_idx % self.cfg.train.grad_accum == 0
         self._lm = step.lm_loss if first else self._lm + step.lm_loss
-        kl = [b.mixer.indexer_kl for b in self.model.blocks if b.kind == "dsa"]
-        if kl and all(k is not None for k in kl):
-            kl = torch.stack(kl).float()
+        if out.indexer_kl is not None:
+            kl = out.indexer_kl
             self._kl = kl if first or self._kl is None else self._kl + kl
         self._aux = step.aux_loss
         return step.objective / self.cfg.train.grad_accum

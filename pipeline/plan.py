@@ -15,7 +15,9 @@ import yaml
 from megabase.core.errors import InputError
 from megabase.model import read_checkpoint_config
 
-from .checkpointing import latest_checkpoint, resumable_state
+from megabase.model.checkpoint import latest_checkpoint
+
+from .checkpointing import resumable_state
 from .config import RunConfig, resume_differences
 
 

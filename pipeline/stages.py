@@ -48,10 +48,11 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
 
 
 def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
-    from megabase.eval.evaluate import check_apart, evaluate
+    from megabase.eval.evaluate import check_apart
     from megabase.model import read_checkpoint_config
 
     from .plan import RunPlan, resume_point
+    from .tracking import evaluate_tracked
     from .train import fit_plan
     from .workdir import ensure_store, ensure_windows, run_dir, windows_path
 
@@ -97,8 +98,8 @@ def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
             options = dataclasses.replace(cfg.eval, regions=cfg.eval.regions or d.eval,
                                           train=cfg.eval.train or d.train,
                                           length=cfg.eval.length or d.window_length)
-            report = evaluate(ckpt, store.path, options, out=report_dir, progress=progress,
-                              mlflow_run=run_id, tracking_uri=uri)
+            report = evaluate_tracked(ckpt, store.path, options, out=report_dir,
+                                      progress=progress, mlflow_run=run_id, tracking_uri=uri)
             stages["evaluate"] = "done"
         report_path, overall = existing, report["overall"]
         baselines = {k: v["overall"]["bits_per_base"] for k, v in report.get("baselines", {}).items()}

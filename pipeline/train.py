@@ -78,13 +78,13 @@ class PatientMLFlowLogger(MLFlowLogger):
         self._kept = kept
 
     def log_metrics(self, metrics, step=None) -> None:
-        from megabase.eval.tracking import retry_locked
+        from megabase.pipeline.tracking import retry_locked
 
         retry_locked(lambda: super(PatientMLFlowLogger, self).log_metrics(metrics, step),
                      self._tracking_uri, self._kept)
 
     def finalize(self, status: str = "success") -> None:
-        from megabase.eval.tracking import is_locked, retry_locked
+        from megabase.pipeline.tracking import is_locked, retry_locked
 
         if status != "success":  # the training already failed: its error is the one to report
             try:
@@ -140,14 +140,14 @@ def fit_plan(plan: RunPlan, progress: bool = True, started: float | None = None)
     from lightning.pytorch.utilities import rank_zero_only
 
     from megabase.data import WindowDataset
-    from megabase.eval.tracking import (
+    from megabase.pipeline.tracking import (
         experiment_id, quiet_libraries, resolve_tracking_uri, retry_locked,
     )
     from megabase.model import build_model, load_checkpoint
 
-    from .checkpointing import (
-        DirectoryCheckpointIO, PeriodicCheckpoint, latest_checkpoint, resolve_checkpoint,
-    )
+    from megabase.model.checkpoint import latest_checkpoint, resolve_checkpoint
+
+    from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint
     from .distributed import trainer_kwargs
     from .lit import LitLM, LogProgress, StepLog
     from .workdir import relocate_artifacts

@@ -10,18 +10,17 @@ their prefix under the new weights.
 
 from __future__ import annotations
 
-import contextlib
 import copy as copying
 import time
 
 import numpy as np
 import torch
 
-from megabase.core.vocab import SEP
 from megabase.core.errors import TrainingError
+from megabase.core.vocab import SEP
+from megabase.infer.sampling import SamplingError, sample
 
 from .config import RLConfig
-from .replay import restart, taped
 from .reward import build_reward, heldout_check
 from .rollout import Prompts, Rollout
 
@@ -69,66 +68,48 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                  channel, version: int, gen: torch.Generator,
                  segment: int = 16_384) -> tuple[list[Rollout], int]:
     """``cfg.group_size`` samples of ``cfg.sample_length`` bases after each prompt (all decoded as
-    one batch). Returns the groups (rewards not yet filled) and the version the model ends at."""
-    from megabase.model import advance
-    from megabase.model.layers import one_thread, untiled
-
+    one batch by :func:`megabase.infer.sampling.sample`, new weights taken between steps). Returns
+    the groups (rewards not yet filled) and the version the model ends at."""
     started = time.perf_counter()
     G, L = cfg.group_size, cfg.sample_length
     first = np.stack([np.concatenate([[SEP], p]) for p in prompts]).astype(np.int64)
     P = first.shape[1]
     tokens = torch.from_numpy(np.repeat(first, G, axis=0))  # [n * G, P]
-    N = tokens.shape[0]
-    out = torch.empty(N, P + L, dtype=torch.int64)
-    out[:, :P] = tokens
-    behaviour = torch.empty(N, L)
-    versions = torch.empty(N, L, dtype=torch.int32)
+    versions = torch.empty(tokens.shape[0], L, dtype=torch.int32)
     updates = 0
-    record = any(True for _ in model.moe_layers())
-
-    def prefill(upto: int):
-        state = model.init_state()
-        logits = None
-        for s in range(0, upto, segment):
-            logits, _ = advance(model, out[:, s : min(upto, s + segment)], state)
-        return state, logits
-
     # the newest weights before the prompt is read: the prompt's cache then has the version of
     # the first base, which clean_bases relies on (taken after it, they would tag the first base
     # with a version its cache never saw)
     newer = channel.take(model, version)
     version = version if newer is None else newer
-    with taped(model) if record else contextlib.nullcontext() as tape:
-        state, logits = prefill(P)
-        for i in range(L):
-            newer = channel.take(model, version) if i else None
-            if newer is not None:
-                version, updates = newer, updates + 1
-                if cfg.recompute_state:
-                    if tape is not None:
-                        restart(tape)
-                    state, logits = prefill(P + i)
-            last = logits[:, -1].float() / cfg.temperature
-            logp = torch.log_softmax(last, -1)
-            probs = logp.exp()
-            if not bool(torch.isfinite(probs).all()):  # else multinomial's RuntimeError
-                raise TrainingError(f"the generator's sampling probabilities became non-finite at "
-                                    f"base {i + 1} of batch {batch} (policy version {version}, "
-                                    f"temperature {cfg.temperature:g})")
-            base = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            out[:, P + i] = base
-            behaviour[:, i] = logp.gather(1, base[:, None])[:, 0]
-            versions[:, i] = version
-            if i + 1 < L:  # the last base is never an input
-                with untiled(), one_thread():
-                    logits, _ = advance(model, base[:, None], state)
-        routing = tape.routing() if tape is not None else None
+
+    def before_step(i: int) -> bool:
+        nonlocal version, updates
+        newer = channel.take(model, version)
+        if newer is None:
+            return False
+        version, updates = newer, updates + 1
+        return cfg.recompute_state
+
+    def after_step(i: int) -> None:
+        versions[:, i - 1] = version
+
+    record = any(True for _ in model.moe_layers())
+    try:
+        done = sample(model, tokens, L, cfg.temperature, 0, gen, segment, before_step, after_step,
+                      record_routing=record)
+    except SamplingError as exc:
+        raise TrainingError(f"the generator's sampling probabilities became non-finite at base "
+                            f"{exc.base} of batch {batch} (policy version {version}, temperature "
+                            f"{cfg.temperature:g})") from None
+    out = torch.cat([tokens, done.tokens], 1)
     seconds = time.perf_counter() - started
     groups = []
     for g in range(len(prompts)):
         rows = slice(g * G, (g + 1) * G)
-        groups.append(Rollout(batch, batch * len(prompts) + g, out[rows], P, behaviour[rows],
-                              versions[rows], None if routing is None else [r[rows] for r in routing],
+        routing = None if done.routing is None else [r[rows] for r in done.routing]
+        groups.append(Rollout(batch, batch * len(prompts) + g, out[rows], P,
+                              done.sampled_log_probs[rows], versions[rows], routing,
                               torch.zeros(G), updates=updates, seconds=seconds))
     return groups, version
 

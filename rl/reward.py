@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megabase.core.errors import InputError
-from megabase.core.vocab import SYMBOLS, tokenize
+from megabase.core.vocab import SYMBOLS, is_gc, tokenize
 
 from .config import RewardConfig
 
@@ -106,7 +106,7 @@ def gc_violations(tokens: np.ndarray, window: int, lo: float, hi: float) -> np.n
     N, L = tokens.shape
     if L < window:
         return np.zeros(N)
-    gc = np.isin(tokens, (1, 2)).astype(np.int32)
+    gc = is_gc(tokens).astype(np.int32)
     csum = np.concatenate([np.zeros((N, 1), np.int32), gc.cumsum(1)], 1)
     frac = (csum[:, window:] - csum[:, :-window]) / window
     return ((frac < lo) | (frac > hi)).mean(1) * (L // window)

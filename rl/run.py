@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megabase.core.atomic import write_atomic
+from megabase.core.vocab import detokenize, gc_fraction
 from megabase.data import InputError
-from megabase.core.vocab import SYMBOLS
+from megabase.data.fasta import write_fasta
 
 from .config import RLConfig
 from .generator import Scorer, SyncGenerator
@@ -57,7 +59,7 @@ def batch_metrics(groups: list[Rollout]) -> dict[str, float]:
     """What the samples look like: held-out check, reward parts, diversity, GC."""
     sample = torch.cat([g.tokens[:, g.prompt_len :] for g in groups]).numpy()
     out = {f"sample/{k}": v for k, v in diversity(sample).items()}
-    out["sample/gc"] = float(np.isin(sample, (1, 2)).mean())
+    out["sample/gc"] = gc_fraction(sample)
     for key in groups[0].reward_parts:
         out[f"reward/{key}"] = float(np.mean(np.concatenate([g.reward_parts[key] for g in groups])))
     if groups[0].heldout:
@@ -76,7 +78,7 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
     when ``megabase rl`` wrote it."""
     from megabase.core.locks import holding
     from megabase.infer.common import check_output_dir
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     started = time.perf_counter()
     launched = "WORLD_SIZE" in os.environ  # torchrun and the like: this process is one rank
@@ -124,7 +126,7 @@ def _rl(cfg: RLConfig, checkpoint: str, out: Path, progress: bool,
         started: float) -> RLResult:
     """The trainer's side of :func:`rl`, with ``out`` locked."""
     from megabase.data.progress import progress as progress_bar
-    from megabase.eval.tracking import open_run
+    from megabase.pipeline.tracking import open_run
     from megabase.infer.common import load_model
     from megabase.model.checkpoint import save_checkpoint
 
@@ -250,7 +252,6 @@ def strict_json(obj, indent: int | None = None) -> str:
 
 
 def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) -> dict[str, str]:
-    from megabase.core.atomic import write_atomic
 
     files = {}
     lines = "".join(strict_json(h) + "\n" for h in result.history)
@@ -279,12 +280,8 @@ def _write(out: Path, result: RLResult, cfg: RLConfig, groups: list[Rollout]) ->
             summary[key] = result.mean(key)
     files["summary"] = str(write_atomic(out / "summary.json",
                                         (strict_json(summary, indent=1) + "\n").encode()))
-    fasta = []
-    for g in groups:
-        for i, row in enumerate(g.tokens[:, g.prompt_len :].tolist()):
-            fasta.append(f">step{result.steps}_prompt{g.prompt_id}_sample{i + 1} "
-                         f"reward={float(g.rewards[i]):.3f}\n")
-            text = "".join(SYMBOLS[t] for t in row)
-            fasta.extend(text[j : j + 80] + "\n" for j in range(0, len(text), 80))
-    files["samples"] = str(write_atomic(out / "samples.fa", "".join(fasta).encode()))
+    records = [(f"step{result.steps}_prompt{g.prompt_id}_sample{i + 1} "
+                f"reward={float(g.rewards[i]):.3f}", detokenize(row))
+               for g in groups for i, row in enumerate(g.tokens[:, g.prompt_len :])]
+    files["samples"] = str(write_fasta(out / "samples.fa", records))
     return files

@@ -13,7 +13,7 @@ from megabase.core.errors import TrainingError
 
 from .config import RLConfig
 from .loss import LN2, group_advantages, mismatch, rl_loss
-from .replay import taped
+from .replay import replay_context, routing_flips
 from .rollout import Rollout
 
 
@@ -29,9 +29,12 @@ def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature:
         logits = model(inputs).logits
         flips, routed = 0.0, torch.zeros(tokens.shape[0], L, dtype=torch.bool)
     else:
-        with taped(model, [r[:, : inputs.shape[1]] for r in routing], force) as tape:
-            logits = model(inputs).logits
-        flips, routed = tape.flip_rate, tape.differs[:, prompt_len - 1 :]
+        T = inputs.shape[1]
+        out = model(inputs, ctx=replay_context(model, routing, T, force))
+        recorded = [r[:, :T] for r in routing]
+        flips, differs = routing_flips(recorded, out.router_choice)
+        routed = differs[:, prompt_len - 1 :]
+        logits = out.logits
     logp = torch.log_softmax(logits[:, prompt_len - 1 :].float() / temperature, -1)
     return logp.gather(-1, tokens[:, prompt_len:, None])[..., 0], flips, routed
 

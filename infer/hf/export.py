@@ -214,7 +214,7 @@ def export_model(checkpoint: str | Path, out: str | Path,
     from megabase.core.locks import holding
     from megabase.model import parameter_counts, read_checkpoint_config
     from megabase.model.checkpoint import save_safetensors
-    from megabase.pipeline.checkpointing import resolve_checkpoint
+    from megabase.model.checkpoint import resolve_checkpoint
 
     from ..common import load_model
     from .card import model_card

@@ -14,25 +14,17 @@ build as megabase's do (and the PyTorch forms run where there is no compiler).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
-MODULES = (
-    "megabase.core.vocab", "megabase.core.errors",
-    "megabase.kernels", "megabase.kernels.native", "megabase.kernels.precision",
-    "megabase.kernels.conv", "megabase.kernels.conv.cpu", "megabase.kernels.conv.reference",
-    "megabase.kernels.pointwise", "megabase.kernels.pointwise.cpu",
-    "megabase.kernels.pointwise.reference",
-    "megabase.kernels.kda", "megabase.kernels.kda.cpu", "megabase.kernels.kda.reference",
-    "megabase.kernels.dsa", "megabase.kernels.dsa.cpu", "megabase.kernels.dsa.reference",
-    "megabase.kernels.dsa.candidates", "megabase.kernels.dsa.seeds",
-    "megabase.kernels.dsa.triton_kernels",
-    "megabase.model.config", "megabase.model.layers", "megabase.model.cache",
-    "megabase.model.sequence", "megabase.model.kmer", "megabase.model.kda", "megabase.model.dsa",
-    "megabase.model.attention", "megabase.model.moe", "megabase.model.lm", "megabase.model.stream",
-)
+# what the wrapper imports (modeling_megabase.py, tokenization_megabase.py); everything they import
+# from megabase, at any depth, is found by reading their import statements (:func:`modules`)
+ROOTS = ("megabase.model.lm", "megabase.model.config", "megabase.model.stream",
+         "megabase.core.vocab")
 # packages whose own __init__ would pull in the rest of megabase
 EMPTY_PACKAGES = ("megabase", "megabase.core", "megabase.data", "megabase.model")
 
@@ -48,10 +40,56 @@ def _relative(module: str, is_package: bool) -> str:
     return "/".join([*parts, "__init__.py"]) if is_package else "/".join(parts) + ".py"
 
 
+def _imported(module: str, path: Path) -> set[str]:
+    """The megabase modules ``module`` (its source at ``path``) imports anywhere in its text,
+    function bodies included (lazy imports are imports too)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megabase.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            if base != "megabase" and not base.startswith("megabase."):
+                continue
+            found.add(base)
+            for a in node.names:  # ``from package import submodule``
+                if importlib.util.find_spec(base) is not None and \
+                        _is_module(f"{base}.{a.name}"):
+                    found.add(f"{base}.{a.name}")
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def modules() -> list[str]:
+    """Every megabase module the wrapper's :data:`ROOTS` need, with the packages holding them
+    (those of :data:`EMPTY_PACKAGES` excepted: they are replaced by empty ones)."""
+    todo, seen = list(ROOTS), set()
+    while todo:
+        module = todo.pop()
+        if module in seen or module in EMPTY_PACKAGES:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # its packages
+        todo += sorted(_imported(module, _file_of(module)))
+    return sorted(seen)
+
+
 def sources() -> tuple[str, dict[str, str]]:
     """``(package, {path inside the package: text})``: the model's code under its new name."""
     files: dict[str, str] = {}
-    for module in MODULES:
+    for module in modules():
         path = _file_of(module)
         is_package = path.name == "__init__.py"
         rel = _relative(module, is_package)

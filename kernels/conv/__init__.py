@@ -3,8 +3,9 @@
 ``short_conv(x [B, T, C], weight [C, W], tail [B, W - 1, C] or None, backend) -> (y, new_tail)``:
 the plain-PyTorch reference (:mod:`megabase.kernels.conv.reference`) or, for fp32 CPU tensors, the
 C kernel (:mod:`megabase.kernels.conv.cpu`). ``backend`` follows the KDA op's (``kda_backend``):
-``"auto"`` and ``"cpu"`` run the C kernel where it applies, ``"torch"`` and ``"fla"`` the reference
-(on CUDA tensors the few element-wise passes are cheap beside the rest of the layer).
+``"auto"`` and ``"cpu"`` run the C kernel where it applies, ``"reference"`` (or its old name
+``"torch"``) and ``"fla"`` the reference (on CUDA tensors the few element-wise passes are cheap
+beside the rest of the layer).
 """
 
 from __future__ import annotations

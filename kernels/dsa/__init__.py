@@ -1,13 +1,16 @@
 """DeepSeek Sparse Attention: lightning indexer with running top-k, sparse attention, indexer losses.
 
-Three implementations with one signature: the plain-PyTorch reference
-(:mod:`megabase.kernels.dsa.reference`, the test oracle), the CPU kernels
-(:mod:`megabase.kernels.dsa.cpu`, the CPU default: indexer, sparse attention and the sparse indexer
-loss in C, the reference where no C compiler is found) and Triton kernels
+Three backends, modules with one set of functions and signatures (``dsa_indexer``,
+``staged_indexer``, ``candidate_indexer``, ``block_summaries``, ``sparse_attention``,
+``indexer_kl_sparse``): the plain-PyTorch reference (:mod:`megabase.kernels.dsa.reference`, the
+definition and test oracle), the C kernels (:mod:`megabase.kernels.dsa.cpu`, the CPU default; the
+reference where no C compiler is found) and Triton kernels
 (:mod:`megabase.kernels.dsa.triton_kernels`, the CUDA default). ``backend`` is ``"auto"``,
 ``"reference"``, ``"cpu"`` or ``"triton"``; Triton on CPU tensors runs under
-``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). Shapes follow
-``fla.ops.dsa.naive_dsa``; they are checked here, once, before any implementation runs.
+``TRITON_INTERPRET=1`` only (slow: for tests at tiny shapes). The candidate stage's configuration
+is :class:`~megabase.kernels.dsa.stage.Stage`; which queries it applies to is decided in one
+place for every backend (:func:`~megabase.kernels.dsa.stage.with_stage`). Shapes follow
+``fla.ops.dsa.naive_dsa``; they are checked here, once, before any backend runs.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import os
 
 import torch
 
-from . import candidates, cpu, reference
-from .candidates import Stage
+from . import cpu, reference
+from .cpu import seed_keys
 from .reference import BLOCK_K, BLOCK_Q, indexer_kl_dense
-from .seeds import seed_keys
+from .stage import Stage
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 
@@ -56,29 +59,19 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                 block_q: int = BLOCK_Q, block_k: int = BLOCK_K, offset: int = 0,
                 backend: str = "auto", stage: Stage | None = None, seeds=None, summaries=None):
     """Top-k causal keys per query: ``[B, Tq, topk]`` ascending positions, -1 padded.
-    ``block_q``/``block_k`` size the reference's blocks; the Triton kernel picks its own.
+    ``block_q``/``block_k`` size the reference's blocks; the C and Triton kernels pick their own.
 
-    With ``stage`` (:class:`~megabase.kernels.dsa.candidates.Stage`) queries from
+    With ``stage`` (:class:`~megabase.kernels.dsa.stage.Stage`) queries from
     ``stage.first_staged()`` on score only their candidates: the local window, the best blocks by
     their ``summaries [B, Tk // block, R, DI]`` (computed when None) and ``seeds [B, Tq, S]``
-    (:func:`seed_keys`; None: no seeds). The ``triton`` backend runs the stage in its Triton
-    kernels, ``cpu`` in C (where it builds), ``reference`` in PyTorch."""
+    (:func:`seed_keys`; None: no seeds). Each backend runs the stage in its own kernels."""
     impl = _impl(backend, q_idx)
     _check_indexer(q_idx, k_idx, w_idx, offset)
     if stage is not None:
-        if keep_recent > stage.local:
-            raise ValueError(f"keep_recent ({keep_recent}) must not exceed the candidate stage's "
-                             f"local window ({stage.local})")
-        if seeds is not None and tuple(seeds.shape[:2]) != tuple(q_idx.shape[:2]):
-            raise ValueError(f"seeds {tuple(seeds.shape)} do not match the queries "
-                             f"{tuple(q_idx.shape)}")
-        staged = impl.staged_indexer if impl is not reference else candidates.staged_indexer
-        return staged(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent, offset, seeds,
-                      summaries)
-    if impl in (cpu, reference):
-        return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k,
-                                offset)
-    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=offset)
+        return impl.staged_indexer(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent, offset,
+                                   seeds, summaries)
+    return impl.dsa_indexer(q_idx, k_idx, w_idx, topk, scale, keep_recent, block_q, block_k,
+                            offset)
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
@@ -87,9 +80,7 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
     impl = _impl(backend, q)
     _check_attention(q, k, v, indices)
-    if impl in (cpu, reference):
-        return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
-    return impl.sparse_attention(q, k, v, indices, scale, return_probs)
+    return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
 
 
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):

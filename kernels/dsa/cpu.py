@@ -1,14 +1,18 @@
-"""The CPU kernels of DSA: the indexer, sparse attention and the sparse indexer loss in C.
+"""The C backend of DSA: the indexer (exact and staged), its seeds, sparse attention and the sparse
+indexer loss in C.
 
 Same signatures and results as :mod:`megabase.kernels.dsa.reference` (the oracle), another
-evaluation order. ``indexer.c`` computes each query's index scores one block of keys at a time and
-keeps its top-k in the reference's total order (score desc, position desc), never storing more than
-a block of scores. ``attention.c`` is softmax attention over the selected keys with a flash-style
-backward: it reads the selected keys where they are, where the PyTorch forms gather or scatter
-``[Tq, topk]`` rows through memory. Both are built on first use by :mod:`megabase.kernels.native`;
-where they cannot be, the reference runs instead. (A sparse-matrix form of the attention and the
-loss, ``torch.sparse.sampled_addmm``, was the fallback until a measurement showed it 1.04x the
-reference's speed for a whole training step: ``benchmarks/bench_model.py --only nocompiler``.)
+evaluation order; arguments that only size the reference's blocks (``block_q``, ``block_k``) are
+accepted and ignored. ``indexer.c`` computes each query's index scores one block of keys at a time
+and keeps its top-k in the reference's total order (score desc, position desc), never storing more
+than a block of scores. ``attention.c`` is softmax attention over the selected keys with a
+flash-style backward: it reads the selected keys where they are, where the PyTorch forms gather or
+scatter ``[Tq, topk]`` rows through memory. ``seeds.c`` builds the seeds' table of earlier k-mers
+in one pass, O(Tk). All are built on first use by :mod:`megabase.kernels.native`; where they
+cannot be, or for tensors off the CPU, the reference runs instead. (A sparse-matrix form of the
+attention and the loss, ``torch.sparse.sampled_addmm``, was the fallback until a measurement
+showed it 1.04x the reference's speed for a whole training step: ``benchmarks/bench_model.py
+--only nocompiler``.)
 """
 
 from __future__ import annotations
@@ -21,10 +25,9 @@ import torch
 from megabase.kernels import native
 from megabase.kernels.precision import full_precision
 
-from . import candidates, reference
-from .candidates import Stage
+from . import reference
+from .stage import VW, Stage, with_stage
 
-VW = 16  # keys per vector in indexer.c
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -44,6 +47,11 @@ def _attention_lib():
     }, native.REASSOCIATE)
 
 
+def _seeds_lib():
+    return native.bind(str(Path(__file__).with_name("seeds.c")), {
+        "megabase_dsa_seeds": [_P] + [_I] * 9 + [_P, _P, ctypes.c_int]})
+
+
 def available() -> bool:
     """Whether both C kernels are built (or can be) and enabled."""
     return _indexer_lib() is not None and _attention_lib() is not None
@@ -55,7 +63,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
     """Top-k causal keys per query: ``indices [B, Tq, topk]``, ascending positions, -1 padded.
 
     As :func:`megabase.kernels.dsa.reference.dsa_indexer` (``block_q``/``block_k`` size only the
-    fallback's blocks). CPU tensors; others, or no C kernel, take the reference.
+    fallback's blocks).
     """
     lib = _indexer_lib() if q_idx.device.type == "cpu" else None
     if lib is None:
@@ -85,10 +93,12 @@ def _vectors(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_summaries(k_idx: torch.Tensor, stage: Stage) -> torch.Tensor:
-    """As :func:`megabase.kernels.dsa.candidates.block_summaries` (the mean summed in key order)."""
+    """``k_idx [B, Tk, DI]`` -> ``[B, Tk // block, R, DI]``, as
+    :func:`megabase.kernels.dsa.reference.block_summaries` (the mean summed in key order, so a
+    streamed sequence gets the bits of its full pass)."""
     lib = _indexer_lib() if k_idx.device.type == "cpu" else None
     if lib is None:
-        return candidates.block_summaries(k_idx, stage)
+        return reference.block_summaries(k_idx, stage)
     B, Tk, DI = k_idx.shape
     k = k_idx.detach().float().contiguous()
     out = torch.empty(B, Tk // stage.block, stage.rows, DI)
@@ -98,40 +108,54 @@ def block_summaries(k_idx: torch.Tensor, stage: Stage) -> torch.Tensor:
 
 
 @torch.no_grad()
-def staged_indexer(q_idx, k_idx, w_idx, topk: int, stage: Stage, scale=None,
-                   keep_recent: int = 0, offset: int = 0, seeds=None, summaries=None):
-    """As :func:`megabase.kernels.dsa.candidates.staged_indexer`; a query's candidate scores are
-    bit for bit those of :func:`dsa_indexer`. CPU tensors; others, or no C kernel, the reference."""
+def candidate_indexer(q_idx, k_idx, w_idx, topk: int, stage: Stage, scale: float,
+                      keep_recent: int, offset: int, seeds, summaries, block_q=None):
+    """As :func:`megabase.kernels.dsa.reference.candidate_indexer` (``block_q`` ignored); a
+    query's candidate scores are bit for bit those of :func:`dsa_indexer`."""
     lib = _indexer_lib() if q_idx.device.type == "cpu" else None
     if lib is None:
-        return candidates.staged_indexer(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent,
-                                         offset, seeds, summaries)
+        return reference.candidate_indexer(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent,
+                                           offset, seeds, summaries, block_q)
     B, Tq, HI, DI = q_idx.shape
     Tk = k_idx.shape[1]
-    scale = DI**-0.5 if scale is None else scale
-    split = min(Tq, max(0, stage.first_staged() - offset))
-    out = torch.empty(B, Tq, topk, dtype=torch.long)
-    if split:
-        out[:, :split] = dsa_indexer(q_idx[:, :split], k_idx, None if w_idx is None else
-                                     w_idx[:, :split], topk, scale, keep_recent, offset=offset)
-    if split == Tq:
-        return out
-    summaries = block_summaries(k_idx, stage) if summaries is None else summaries
     kb, sb = _vectors(k_idx.float()), _vectors(summaries.float())  # [B, n / VW, R * DI, VW]
-    q = q_idx[:, split:].float().contiguous()
-    w = None if w_idx is None else w_idx[:, split:].float().contiguous()
-    s = None if seeds is None or not seeds.shape[-1] else seeds[:, split:].int().contiguous()
-    rest = out[:, split:].contiguous()
+    q = q_idx.float().contiguous()
+    w = None if w_idx is None else w_idx.float().contiguous()
+    s = None if seeds is None or not seeds.shape[-1] else seeds.int().contiguous()
+    out = torch.empty(B, Tq, topk, dtype=torch.long)
     status = lib.megabase_dsa_staged_indexer(
         q.data_ptr(), kb.data_ptr(), sb.data_ptr(),
         None if w is None else w.data_ptr(), None if s is None else s.data_ptr(),
-        0 if s is None else s.shape[-1], B, Tq - split, Tk, HI, DI, topk, scale, keep_recent,
-        offset + split, stage.block, stage.blocks, stage.local, stage.rows, rest.data_ptr(),
+        0 if s is None else s.shape[-1], B, Tq, Tk, HI, DI, topk, scale, keep_recent,
+        offset, stage.block, stage.blocks, stage.local, stage.rows, out.data_ptr(),
         torch.get_num_threads())
     if status != 0:
         raise MemoryError("the native candidate stage could not allocate its buffers")
-    out[:, split:] = rest
     return out
+
+
+staged_indexer = with_stage(dsa_indexer, block_summaries, candidate_indexer)
+
+
+def seed_keys(tokens: torch.Tensor, offset: int, stage: Stage) -> torch.Tensor:
+    """``tokens [B, Tk]`` -> ``[B, Tk - offset, S]`` int32, as
+    :func:`megabase.kernels.dsa.reference.seed_keys` (the reference where no C kernel builds)."""
+    lib = _seeds_lib()
+    if lib is None:
+        return reference.seed_keys(tokens, offset, stage)
+    B, Tk = tokens.shape
+    Tq, smax = Tk - offset, stage.max_seeds
+    if not stage.seed or Tq <= 0:
+        return torch.full((B, max(Tq, 0), 0), -1, dtype=torch.int32)
+    tok = tokens.detach().to("cpu", torch.int64).contiguous()
+    out = torch.empty(B, Tq, smax, dtype=torch.int32)
+    most = ctypes.c_int64()
+    status = lib.megabase_dsa_seeds(tok.data_ptr(), B, Tk, offset, stage.seed, stage.seed_cap,
+                                    stage.carry, stage.block, stage.local, smax, out.data_ptr(),
+                                    ctypes.byref(most), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the seed table of {Tk:,} positions could not be allocated")
+    return out[..., : most.value].contiguous().to(tokens.device)
 
 
 class _Attention(torch.autograd.Function):
@@ -171,16 +195,15 @@ class _Attention(torch.autograd.Function):
 
 
 @full_precision
-def sparse_attention(q, k, v, indices, scale=None, block_q: int = 0, return_probs: bool = False):
+def sparse_attention(q, k, v, indices, scale=None, block_q: int = reference.BLOCK_Q,
+                     return_probs: bool = False):
     """Attention of each query over its selected keys: ``o [B, Tq, HQ, DV]`` (dtype of q).
 
     As :func:`megabase.kernels.dsa.reference.sparse_attention` (``k, v`` may hold more keys than
-    there are queries); ``block_q`` is accepted for the shared signature. No C kernel, or tensors
-    off the CPU: the reference.
+    there are queries); ``block_q`` sizes only the fallback's blocks.
     """
     if q.device.type != "cpu" or _attention_lib() is None or q.shape[1] == 0 or not indices.shape[-1]:
-        return reference.sparse_attention(q, k, v, indices, scale, block_q or reference.BLOCK_Q,
-                                          return_probs)
+        return reference.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
     o, probs = _Attention.apply(q.float().contiguous(), k.float().contiguous(),
@@ -219,15 +242,16 @@ class _IndexerKL(torch.autograd.Function):
 
 
 @full_precision
-def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 0):
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None,
+                      block_q: int = reference.KL_BLOCK_Q):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
-    As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse`. No C kernel, or tensors off the
-    CPU: the reference.
+    As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse` (``block_q`` sizes only the
+    fallback's blocks).
     """
     if q_idx.device.type != "cpu" or _attention_lib() is None or q_idx.shape[1] == 0 \
             or not indices.shape[-1]:
-        return reference.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+        return reference.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale, block_q)
     B, Tq, HI, DI = q_idx.shape
     scale = DI**-0.5 if scale is None else scale
     w = None if w_idx is None else w_idx.float().contiguous()
@@ -236,5 +260,5 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q:
     return total / max(B * Tq, 1)
 
 
-__all__ = ["available", "block_summaries", "dsa_indexer", "indexer_kl_sparse", "sparse_attention",
-           "staged_indexer"]
+__all__ = ["available", "block_summaries", "candidate_indexer", "dsa_indexer", "indexer_kl_sparse",
+           "seed_keys", "sparse_attention", "staged_indexer"]

@@ -1,4 +1,5 @@
-"""DeepSeek Sparse Attention in plain PyTorch, memory-bounded: never a T x T tensor.
+"""DeepSeek Sparse Attention in plain PyTorch, memory-bounded (never a T x T tensor): the oracle of
+the C (:mod:`.cpu`) and Triton (:mod:`.triton_kernels`) backends, which share its signatures.
 
 Conventions of ``fla.ops.dsa.naive_dsa``::
 
@@ -6,23 +7,57 @@ Conventions of ``fla.ops.dsa.naive_dsa``::
     q_idx [B, T, HI, DI]   k_idx [B, T, DI]   w_idx [B, T, HI] or None
     indices [B, T, topk]  (int64, padded with -1)
 
-The lightning indexer scores ``I[t, s] = sum_j w[t, j] * relu(scale * q_idx[t, j] . k_idx[s])`` for
+**Exact indexer.** ``I[t, s] = sum_j w[t, j] * relu(scale * q_idx[t, j] . k_idx[s])`` for
 ``s <= t`` in query blocks x key blocks, keeping a running top-k per query: peak memory
-O(block_q * (topk + block_k)), ``block_k`` being the widest key chunk. Sparse attention gathers
-the selected keys one query block at a time (checkpointed under autograd), so it keeps
-O(T * topk) indices and nothing quadratic. When ``T <= topk`` every earlier key is selected and
-the layer is exactly dense causal attention.
+O(block_q * (topk + block_k)), ``block_k`` being the widest key chunk. Selection is by (score
+desc, position desc): a total order, so any blocking gives the same set.
+
+**Candidate stage** (:class:`~.stage.Stage`). From ``Stage.first_staged()`` on, a query at ``t``
+scores only its candidates, then takes their top-k in the exact order:
+
+* the local window: keys ``L(t) .. t``, ``L(t) = block * floor((t + 1 - local) / block)``, so
+  between ``local`` and ``local + block - 1`` of the latest keys, always;
+* the best ``blocks`` blocks: the keys before ``L(t)`` fall into whole blocks of ``block`` keys
+  (aligned to position 0), each with a summary ``[B, Tk // block, R, DI]`` that the query scores
+  first. ``mean`` (HISA, ``R`` = 1): the mean key, scored as a key is. ``max`` (Quest, ``R`` = 2:
+  max then min per channel): they bound ``q . k`` over the block from above (and below), so with
+  the ReLU and the sign of each head's weight they bound every key's index score in it: a lone
+  spike is not averaged away;
+* the seeds ``[B, Tq, S]`` (-1 padded): keys that continue an earlier copy of the query's last
+  ``seed`` bases (:func:`seed_keys`).
+
+**Seeds.** A query at ``t`` hashes the ``seed`` tokens ending at ``t``; the key at ``s`` the ones
+ending at ``s - 1``. Where the ``k``-mer ending at ``u`` occurred before, ending at ``e``, key ``e +
+1`` holds the base that followed the earlier copy (the one a copying head wants); if the
+``k``-mer ending at ``e`` is the reverse complement of ``u``'s, the base after ``u`` pairs with the
+one before ``e - k + 1``: key ``e - k``. A query follows the hits of the last ``carry + 1``
+positions along their diagonals (key ``e + 1 + d`` for the hit of ``u = t - d``, ``e - k - d`` on
+the other strand), so a copy with a mismatch stays found (the substitution-tolerant repeat models
+of GeCo3 / JARVIS). Each ``k``-mer follows at most ``seed_cap`` earlier occurrences per strand (the
+most recent): a low-complexity ``k``-mer costs no more than a rare one. Keys inside the local
+window are left out (kept anyway), repeats too, and at most ``Stage.max_seeds`` are kept in the
+order found: ``d`` ascending, forward before reverse, newest occurrence first.
+
+**Sparse attention** gathers the selected keys one query block at a time (flash-style backward),
+so it keeps O(T * topk) indices and nothing quadratic. When ``T <= topk`` every earlier key is
+selected and the layer is exactly dense causal attention.
 """
 
 from __future__ import annotations
 
+import bisect
+
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from megabase.kernels.precision import full_precision
 
+from .stage import Stage, with_stage
+
 BLOCK_Q = 256
 BLOCK_K = 8192
+KL_BLOCK_Q = 1024  # queries per step of the sparse indexer loss
 
 
 def index_scores(q_idx, k_idx, w_idx, scale):
@@ -90,10 +125,7 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
                     s = s.masked_fill(recent[None], float("inf"))
             best = _merge(best, s, k0, topk)
             end, width = k0, min(2 * width, block_k)
-        idx = best & 0xFFFFFFFF
-        idx = idx.masked_fill((best >> 32) <= _NEG_INF_KEY, Tk)
-        idx = idx.sort(-1).values[:, : q1 - q0]  # ascending positions, invalid (Tk) last
-        out[:, q0:q1, : idx.shape[-1]] = idx.masked_fill(idx == Tk, -1)
+        out[:, q0:q1] = _positions(best, topk)[:, : q1 - q0]
     return out
 
 
@@ -109,7 +141,8 @@ def _order_value(key: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-_NEG_INF_KEY = int(_order_key(torch.tensor([float("-inf")]))[0])
+# a composite key whose score part (>> 32) is at or below this one is no selection (masked, padding)
+NEG_INF_KEY = int(_order_key(torch.tensor([float("-inf")]))[0])
 _MIN_KEY = -(1 << 63)  # below every composite key: padding of candidate rows
 
 
@@ -120,6 +153,16 @@ def _composite(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     selection does not depend on how keys were split into blocks.
     """
     return _order_key(scores) * (1 << 32) + keys
+
+
+def _positions(best: torch.Tensor, topk: int) -> torch.Tensor:
+    """Composite keys ``best [B, bq, n <= topk]`` -> ``[B, bq, topk]``: their positions ascending,
+    those of ``-inf`` scores or padding dropped, -1 padded."""
+    none = 1 << 40  # past every position: sorts last
+    idx = (best & 0xFFFFFFFF).masked_fill((best >> 32) <= NEG_INF_KEY, none).sort(-1).values
+    out = torch.full((*best.shape[:2], topk), -1, dtype=torch.long, device=best.device)
+    out[..., : idx.shape[-1]] = idx.masked_fill(idx == none, -1)
+    return out
 
 
 def _merge(best, scores, k0: int, topk: int):
@@ -164,7 +207,7 @@ def _pad_rows(x, multiple: int):
 
 
 def _gather(x, idx):
-    """``x [B, T, H, D]``, ``idx [B, Tq, K]`` (>= 0) -> ``[B, Tq, K, H, D]``.
+    """``x [B, T, *rest]``, ``idx [B, Tq, K]`` (>= 0) -> ``[B, Tq, K, *rest]``.
 
     ``index_select`` on the flattened rows: its backward is ``index_add_``, far faster on CPU than
     the accumulating ``index_put_`` that advanced indexing differentiates to.
@@ -172,6 +215,142 @@ def _gather(x, idx):
     B, T = x.shape[:2]
     flat = (idx + torch.arange(B, device=x.device)[:, None, None] * T).reshape(-1)
     return x.reshape(B * T, *x.shape[2:]).index_select(0, flat).reshape(*idx.shape, *x.shape[2:])
+
+
+@torch.no_grad()
+@full_precision
+def block_summaries(k_idx: torch.Tensor, stage: Stage) -> torch.Tensor:
+    """``k_idx [B, Tk, DI]`` -> ``[B, Tk // block, R, DI]``: the summary of every whole block."""
+    B, Tk, DI = k_idx.shape
+    n = Tk // stage.block
+    blocks = k_idx[:, : n * stage.block].float().reshape(B, n, stage.block, DI)
+    if stage.summary == "mean":
+        return blocks.mean(2, keepdim=True)
+    return torch.stack([blocks.amax(2), blocks.amin(2)], dim=2)
+
+
+def summary_scores(qs: torch.Tensor, w: torch.Tensor | None, summaries: torch.Tensor,
+                   summary: str) -> torch.Tensor:
+    """``qs [B, bq, HI, DI]`` (scaled queries), ``w [B, bq, HI]``, ``summaries [B, n, R, DI]``
+    -> ``[B, bq, n]``: each block's score (``mean``) or upper bound of its keys' scores (``max``)."""
+    w = torch.ones(qs.shape[:3], dtype=qs.dtype, device=qs.device) if w is None else w
+    if summary == "mean":
+        s = torch.einsum("bqhd,bnd->bqhn", qs, summaries[:, :, 0])
+        return (s.clamp(min=0) * w[..., None]).sum(2)
+    top, bottom = summaries[:, :, 0], summaries[:, :, 1]
+    pos, neg = qs.clamp(min=0), qs.clamp(max=0)
+    hi = torch.einsum("bqhd,bnd->bqhn", pos, top) + torch.einsum("bqhd,bnd->bqhn", neg, bottom)
+    lo = torch.einsum("bqhd,bnd->bqhn", pos, bottom) + torch.einsum("bqhd,bnd->bqhn", neg, top)
+    w = w[..., None]
+    return torch.where(w >= 0, w * hi.clamp(min=0), w * lo.clamp(min=0)).sum(2)
+
+
+@torch.no_grad()
+@full_precision
+def candidate_indexer(q_idx, k_idx, w_idx, topk: int, stage: Stage, scale: float,
+                      keep_recent: int, offset: int, seeds: torch.Tensor | None,
+                      summaries: torch.Tensor, block_q: int | None = None) -> torch.Tensor:
+    """The top-k of each staged query's candidates: ``indices [B, Tq, topk]``, ascending, -1
+    padded, for queries at ``offset .. offset + Tq``, all at or past ``stage.first_staged()``.
+    ``block_q`` (None: 32) queries at a time: memory ``block_q * (blocks * block + local + Tk /
+    block)``. The split before ``first_staged()``: :data:`staged_indexer`."""
+    Tq = q_idx.shape[1]
+    block_q = 32 if block_q is None else block_q
+    out = torch.empty(*q_idx.shape[:2], topk, dtype=torch.long, device=q_idx.device)
+    keys = k_idx.float()
+    for q0 in range(0, Tq, block_q):
+        rows = slice(q0, min(q0 + block_q, Tq))
+        w = None if w_idx is None else w_idx[:, rows].float()
+        pos = torch.arange(rows.start, rows.stop, device=q_idx.device) + offset
+        cand = _candidates(q_idx[:, rows].float() * scale, w, summaries, pos, stage,
+                           None if seeds is None else seeds[:, rows])
+        out[:, rows] = _top(q_idx[:, rows].float() * scale, w, keys, cand, pos, topk, keep_recent)
+    return out
+
+
+def _candidates(qs, w, summaries, pos, stage: Stage, seeds):
+    """``[B, bq, C]`` candidate key positions of the queries at ``pos`` (-1: none), no repeats."""
+    B, bq = qs.shape[:2]
+    local0 = stage.local_start(pos)  # [bq]
+    eligible = local0 // stage.block
+    scores = summary_scores(qs, w, summaries, stage.summary)
+    n = scores.shape[-1]
+    blk = torch.arange(n, device=qs.device)
+    key = _composite(scores, blk).masked_fill(blk >= eligible[:, None], _MIN_KEY)
+    chosen = key.topk(min(stage.blocks, n), dim=-1).values & 0xFFFFFFFF  # [B, bq, blocks]
+    spread = torch.arange(stage.block, device=qs.device)
+    from_blocks = (chosen[..., None] * stage.block + spread).flatten(2)
+    width = stage.local + stage.block
+    local = local0[:, None] + torch.arange(width, device=qs.device)
+    local = local.masked_fill(local > pos[:, None], -1).expand(B, bq, width)
+    parts = [from_blocks, local]
+    if seeds is not None and seeds.shape[-1]:
+        s = seeds.long()
+        covered = (s[..., None] // stage.block == chosen[..., None, :]).any(-1)
+        covered |= s >= local0[:, None]
+        parts.append(s.masked_fill(covered | (s < 0), -1))
+    return torch.cat(parts, dim=-1)
+
+
+def _top(qs, w, keys, cand, pos, topk: int, keep_recent: int):
+    """The top ``topk`` of the candidates by exact index score, as the exact indexer orders them."""
+    valid = cand >= 0
+    k = _gather(keys, cand.clamp(min=0))  # [B, bq, C, DI]
+    s = torch.einsum("bqhd,bqcd->bqhc", qs, k).clamp(min=0)
+    s = s.sum(2) if w is None else (s * w[..., None]).sum(2)
+    if keep_recent:
+        s = s.masked_fill(cand > pos[:, None] - keep_recent, float("inf"))
+    s = s.masked_fill(~valid, float("-inf"))
+    best = _composite(s, cand.clamp(min=0)).masked_fill(~valid, _MIN_KEY)
+    return _positions(best.topk(min(topk, cand.shape[-1]), dim=-1).values, topk)
+
+
+staged_indexer = with_stage(dsa_indexer, block_summaries, candidate_indexer)
+
+
+def seed_keys(tokens: torch.Tensor, offset: int, stage: Stage) -> torch.Tensor:
+    """``tokens [B, Tk]`` -> the seeds of the queries at ``offset .. Tk``: ``[B, Tk - offset, S]``
+    int32, -1 padded, ``S`` the largest count of any query (possibly 0); see the module docs. A
+    function of the tokens up to each query only, so a streamed sequence gets the full pass's
+    seeds. Plain Python (a dictionary of k-mer occurrences): the definition."""
+    B, Tk = tokens.shape
+    k, rows = stage.seed, []
+    for b in range(B):
+        seq = tokens[b].tolist()
+        codes = [_code(seq[p - k + 1 : p + 1]) if k and p >= k - 1 else None for p in range(Tk)]
+        seen: dict[tuple, list[int]] = {}
+        for p, c in enumerate(codes):
+            if c is not None:
+                seen.setdefault(c, []).append(p)
+        per_query = []
+        for t in range(offset, Tk):
+            local0 = int(stage.local_start(torch.tensor(t)))
+            keys: list[int] = []
+            for d in range(stage.carry + 1 if k else 0):
+                u = t - d
+                if u < 0 or len(keys) == stage.max_seeds:
+                    break
+                if codes[u] is None:
+                    continue
+                rc = tuple(3 - x for x in reversed(codes[u]))
+                for code, key in ((codes[u], lambda e: e + 1 + d), (rc, lambda e: e - k - d)):
+                    hits = seen.get(code, [])
+                    for e in hits[: bisect.bisect_left(hits, u)][::-1][: stage.seed_cap]:
+                        s = key(e)
+                        if 0 <= s < local0 and s not in keys and len(keys) < stage.max_seeds:
+                            keys.append(s)
+            per_query.append(keys)
+        rows.append(per_query)
+    S = max((len(keys) for per_query in rows for keys in per_query), default=0)
+    out = np.full((B, max(Tk - offset, 0), S), -1, dtype=np.int32)
+    for b, per_query in enumerate(rows):
+        for i, keys in enumerate(per_query):
+            out[b, i, : len(keys)] = keys
+    return torch.from_numpy(out).to(tokens.device)
+
+
+def _code(bases: list[int]) -> tuple | None:
+    return tuple(bases) if all(0 <= x <= 3 for x in bases) else None
 
 
 def _block_scores(q, k, v, idx, scale):
@@ -271,7 +450,8 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
 
 
 @full_precision
-def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, block_q: int = 1024):
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None,
+                      block_q: int = KL_BLOCK_Q):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
     ``target [B, T, topk]``: head-summed, L1-normalised main attention over the same selection.

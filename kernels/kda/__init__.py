@@ -3,8 +3,9 @@
 ``kda_chunk`` is the fast KDA op wherever it runs: ``fla.ops.kda.chunk_kda`` on CUDA tensors (when
 ``flash-linear-attention`` is installed); on CPU tensors the recurrence in C
 (:mod:`megabase.kernels.kda.cpu`, built on first use), else the vectorised PyTorch chunk form.
-``backend``: ``"auto"``, ``"torch"`` (the PyTorch chunk form), ``"cpu"`` (the C kernel) or
-``"fla"``. Shapes and math: :mod:`megabase.kernels.kda.reference`.
+``backend``: ``"auto"``, ``"reference"`` (the PyTorch chunk form), ``"cpu"`` (the C kernel) or
+``"fla"``; ``"torch"`` is an alias of ``"reference"`` (its old name, which configs saved before
+the rename still hold). Shapes and math: :mod:`megabase.kernels.kda.reference`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from . import cpu
 from .reference import kda_chunk as kda_chunk_torch
 from .reference import kda_recurrent
 
-BACKENDS = ("auto", "torch", "cpu", "fla")
+BACKENDS = ("auto", "reference", "cpu", "fla")
+ALIASES = {"torch": "reference"}
 
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -41,7 +43,7 @@ def kda_final_state(q, k, v, g, beta, scale=None, initial_state=None, backend: s
 
 def _use_fla(backend: str, q) -> bool:
     """Whether ``backend`` runs on fla's kernels for tensors like ``q`` (a clear error if unknown)."""
-    if backend not in BACKENDS:
+    if backend not in BACKENDS and backend not in ALIASES:
         raise ValueError(f"unknown KDA backend {backend!r}; choose {', '.join(BACKENDS)}")
     return backend == "fla" or (backend == "auto" and q.is_cuda and _fla_available())
 
@@ -65,4 +67,4 @@ def _fla_available() -> bool:
         return False
 
 
-__all__ = ["BACKENDS", "kda_chunk", "kda_chunk_torch", "kda_final_state", "kda_recurrent"]
+__all__ = ["ALIASES", "BACKENDS", "kda_chunk", "kda_chunk_torch", "kda_final_state", "kda_recurrent"]

@@ -5,8 +5,8 @@ PyTorch reference (:mod:`megabase.kernels.pointwise.reference`) or, for fp32 CPU
 kernel (:mod:`megabase.kernels.pointwise.cpu`), whose outputs depend on their inputs only, not on
 the tensor's length or the thread count, so the streaming scorer gives the full pass's bits on any
 machine. ``backend``: ``"auto"`` and ``"cpu"`` run the C kernel where it applies, anything else
-(``"torch"``, ``"fla"``, ``"reference"``) the reference; on CUDA every value takes the same path,
-so the reference is exact there.
+(``"reference"``, its old name ``"torch"``, ``"fla"``) the reference; on CUDA every value takes
+the same path, so the reference is exact there.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from megabase.pipeline.checkpointing import LATEST, TRAINER_STATE, rotate_checkpoints
+from megabase.model.checkpoint import LATEST, TRAINER_STATE
+
+from megabase.pipeline.checkpointing import rotate_checkpoints
 from megabase.pipeline.cli import main
 
 
@@ -100,7 +102,7 @@ def test_a_hold_and_a_removal_exclude_each_other(tmp_path):
 
     from megabase.core.locks import hold_reading, release_reading, remove_unless_read
     from megabase.model import build_model
-    from megabase.pipeline.checkpointing import held_checkpoint
+    from megabase.model.checkpoint import held_checkpoint
 
     torch.manual_seed(0)
     model = build_model("debug")

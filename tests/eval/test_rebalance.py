@@ -12,7 +12,7 @@ import torch
 
 from megabase.eval.rebalance import rebalance_moe
 from megabase.eval.score import ModelScorer
-from megabase.eval.tracking import report_metrics
+from megabase.eval.report import report_metrics
 from megabase.model import load_checkpoint
 from megabase.pipeline.cli import main
 

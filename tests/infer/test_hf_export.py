@@ -98,9 +98,53 @@ def test_log_probs_equal_megabases_on_held_out_dna(exported, checkpoint):
     assert np.abs(fast - ours).max() <= 1e-4
 
 
-def test_without_a_compiler_the_pytorch_forms_give_the_same_log_probs(exported, tmp_path):
+SELECTIONS = """
+import sys, numpy as np, torch
+from megabase.model import load_checkpoint
+from megabase.model.dsa import capture_selections
+model = load_checkpoint(sys.argv[1]).eval()
+ids = torch.from_numpy(np.load(sys.argv[2]))[None]
+caps = capture_selections(model, 0, ids.shape[1])
+with torch.no_grad():
+    model(ids, ctx=model.context(capture=caps))
+np.save(sys.argv[3], np.stack([c.rows for c in caps]))
+"""
+
+
+def flipped_queries(checkpoint, tile: np.ndarray, work) -> set[int]:
+    """Queries of ``tile`` where some DSA layer's top-k differs between megabase's C kernels and
+    its PyTorch forms (``MEGABASE_NATIVE=0``): there fp32 round-off of the layers below moved a
+    score across the k-th (modeling_megabase's docstring), and that base's log-prob moves by more
+    than round-off."""
+    import os
+
+    ids = work / "ids.npy"
+    np.save(ids, np.concatenate([[SEP], tile[:-1]]).astype(np.int64))
+    rows = []
+    for native in ("1", "0"):
+        out = work / f"selections-{native}.npy"
+        done = subprocess.run([sys.executable, "-c", SELECTIONS, str(checkpoint), str(ids),
+                               str(out)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "MEGABASE_NATIVE": native})
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows.append(np.load(out))
+    return set(np.nonzero((rows[0] != rows[1]).any(-1).any(0))[0].tolist())
+
+
+def assert_round_off_apart(lp: np.ndarray, reference: np.ndarray, checkpoint, tile, work) -> None:
+    """``lp`` equals ``reference`` to 1e-4 at every base, but those predicted by a query whose
+    DSA selection flips between the C kernels and the PyTorch forms (few, and each shown to be
+    one)."""
+    apart = set(np.nonzero(np.abs(lp - reference) > 1e-4)[0].tolist())
+    assert len(apart) <= len(lp) // 1000, sorted(apart)
+    assert apart <= flipped_queries(checkpoint, tile, work), sorted(apart)
+
+
+def test_without_a_compiler_the_pytorch_forms_give_the_same_log_probs(exported, checkpoint,
+                                                                       tmp_path):
     """MEGABASE_NATIVE=0 stands for a machine without a C compiler: the carried code runs its
-    PyTorch forms (fp32 round-off apart: 8.8e-6 at most on this tile)."""
+    PyTorch forms (fp32 round-off apart, 8.8e-6 at most on this tile, but at a base whose DSA
+    top-k that round-off flips: two of 3,000 here, 0.05 and 0.09 nats)."""
     import os
 
     code = LOAD.replace('f"{work}/hf.npz"', 'f"{work}/hf-torch.npz"')
@@ -110,7 +154,8 @@ def test_without_a_compiler_the_pytorch_forms_give_the_same_log_probs(exported, 
                           env={**os.environ, "MEGABASE_NATIVE": "0"})
     assert done.returncode == 0, done.stderr[-4000:]
     torch_forms = np.load(work / "hf-torch.npz")["lp"]
-    assert np.abs(torch_forms - exported["hf"]["lp"]).max() <= 1e-4
+    assert_round_off_apart(torch_forms, exported["hf"]["lp"], checkpoint, exported["tile"],
+                           tmp_path)
 
 
 def test_generate_draws_megabases_bases_and_hidden_states_equal_embed(exported, checkpoint):
@@ -250,7 +295,7 @@ def test_a_report_of_another_checkpoint_is_refused(checkpoint, tmp_path, capsys)
     assert "| this model | 1.0700 |" in (tmp_path / "o" / "README.md").read_text()
 
 
-def test_an_unwritable_cache_uses_a_copy_removed_at_exit(exported, tmp_path):
+def test_an_unwritable_cache_uses_a_copy_removed_at_exit(exported, checkpoint, tmp_path):
     """Where $MEGABASE_CACHE cannot be written, the carried code goes to a temporary folder for
     the process; it used to stay in the temp folder after every such process."""
     import os
@@ -266,7 +311,8 @@ def test_an_unwritable_cache_uses_a_copy_removed_at_exit(exported, tmp_path):
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     lp = np.load(exported["out"].parent / "hf-scratch.npz")["lp"]
-    assert np.abs(lp - exported["hf"]["lp"]).max() <= 1e-4  # no cache to build C kernels into
+    # no cache to build C kernels into: the PyTorch forms
+    assert_round_off_apart(lp, exported["hf"]["lp"], checkpoint, exported["tile"], tmp_path)
     assert not list(scratch.glob("megabase-hf-*"))
 
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from megabase.kernels.dsa import Stage, block_summaries, candidates, cpu, dsa_indexer, seed_keys
-from megabase.kernels.dsa.candidates import summary_scores
-from megabase.kernels.dsa.seeds import reference_seed_keys
+from megabase.kernels.dsa import Stage, block_summaries, cpu, dsa_indexer, reference, seed_keys
+from megabase.kernels.dsa.reference import seed_keys as reference_seed_keys
+from megabase.kernels.dsa.reference import summary_scores
 from megabase.model import ModelConfig
 from tests.kernels.test_dsa import make
 from tests.kernels.tolerances import assert_close
@@ -61,8 +61,8 @@ def test_c_stage_selects_the_reference_keys(shape, summary, weighted):
     stage = stage_of(block, blocks, local, summary=summary)
     seeds = seed_keys(tokens_with_copies(B, T), 0, stage)
     for keep_recent in (0, 5):
-        ref = candidates.staged_indexer(qi, ki, wi, topk, stage, keep_recent=keep_recent,
-                                        seeds=seeds)
+        ref = reference.staged_indexer(qi, ki, wi, topk, stage, keep_recent=keep_recent,
+                                       seeds=seeds)
         got = cpu.staged_indexer(qi, ki, wi, topk, stage, keep_recent=keep_recent, seeds=seeds)
         assert torch.equal(got, ref)
         assert (ref[:, stage.first_staged():] != dsa_indexer(qi, ki, wi, topk)[
@@ -81,7 +81,7 @@ def test_the_stage_is_the_exact_indexer_before_its_first_position_and_with_an_of
         assert torch.equal(tail, full[:, offset:])
 
 
-@pytest.mark.parametrize("impl", [candidates.staged_indexer, cpu.staged_indexer])
+@pytest.mark.parametrize("impl", [reference.staged_indexer, cpu.staged_indexer])
 def test_where_the_candidates_hold_the_exact_top_k_the_stage_selects_it(impl):
     """Every key scores 0 (ties go to the most recent keys: local ones) but one far spike. A
     seed reaches it; so does its block's max bound, while the mean of its block dilutes it."""
@@ -112,7 +112,7 @@ def test_quest_bound_holds_for_every_key_of_a_block_and_mean_is_the_mean_key_sco
     for summary in ("max", "mean"):
         stage = make_stage(summary=summary, block=32)
         summaries = block_summaries(ki, stage)
-        assert_close(summaries, candidates.block_summaries(ki, stage), f"{summary} summaries")
+        assert_close(summaries, reference.block_summaries(ki, stage), f"{summary} summaries")
         scores = summary_scores(qs, wi[:, :20], summaries, summary)  # [1, 20, 8]
         keys = torch.relu(torch.einsum("bqhd,bkd->bqhk", qs, ki)) * wi[:, :20, :, None]
         true = keys.sum(2).reshape(1, 20, 8, 32)

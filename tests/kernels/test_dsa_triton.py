@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megabase.kernels.dsa import (
-    candidates, dsa_attention, dsa_indexer, indexer_kl_sparse, resolve_backend, seed_keys,
+    dsa_attention, dsa_indexer, indexer_kl_sparse, reference, resolve_backend, seed_keys,
     sparse_attention,
 )
 from tests.kernels.test_dsa import dense_topk, make
@@ -140,7 +140,7 @@ def test_stage_selects_the_reference_keys(shape, summary):
     first = stage.first_staged()
     empty = seeds[..., :0]
     for w, keep_recent, s in ((wi, 0, seeds), (None, 4, seeds), (wi, 4, None), (None, 0, empty)):
-        ref = candidates.staged_indexer(qi, ki, w, topk, stage, keep_recent=keep_recent, seeds=s)
+        ref = reference.staged_indexer(qi, ki, w, topk, stage, keep_recent=keep_recent, seeds=s)
         assert (ref[:, first:] != dsa_indexer(qi, ki, w, topk, keep_recent=keep_recent,
                                                backend="reference")[:, first:]).any()
         dev = on(DEVICE, qi[:, first:], ki, *([] if w is None else [w[:, first:]]))
@@ -174,7 +174,7 @@ def test_stage_one_query_per_program_and_arbitrary_seeds(summary):
     B, T = qi.shape[:2]
     gen = torch.Generator().manual_seed(43)
     seeds = torch.randint(-1, T, (B, T, 24), generator=gen, dtype=torch.int32)
-    ref = candidates.staged_indexer(qi, ki, wi, topk, stage, keep_recent=3, seeds=seeds)
+    ref = reference.staged_indexer(qi, ki, wi, topk, stage, keep_recent=3, seeds=seeds)
     start = 262
     for block_q in (1, None):
         got = staged_indexer(*on(DEVICE, qi[:, start:], ki, wi[:, start:]), topk, stage,

@@ -40,7 +40,7 @@ def run(fn, xs, **kw):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("strong_decay", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_chunk_matches_recurrent(shape, strong_decay, backend):
     """The PyTorch chunk form and the C recurrence against the PyTorch recurrence."""
     xs = make(*shape, strong_decay=strong_decay)
@@ -62,7 +62,7 @@ def test_checkpointed_segments_match_one_segment():
         assert_close(a, b, "grad")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_split_sequence_with_carried_state_equals_whole(backend):
     q, k, v, g, beta, s0 = make(2, 157, 2, 2, 16, 8, seed=1)
     kda = functools.partial(kda_chunk, output_final_state=True, backend=backend)
@@ -118,6 +118,18 @@ def test_empty_and_unknown_backend():
         kda_chunk(*xs[:5], backend="cuda-magic")
 
 
+def test_torch_is_the_old_name_of_the_reference_backend():
+    """Configs saved before the rename hold ``kda_backend: torch``."""
+    from megabase.model import ModelConfig
+
+    xs = make(1, 40, 1, 1, 8, 8, seed=7)
+    o_ref, s_ref = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True,
+                             backend="reference")
+    o, s = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True, backend="torch")
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref) and s.dtype == torch.float32
+    assert ModelConfig(kda_backend="torch").kda_backend == "reference"
+
+
 @pytest.mark.parametrize("T,segment", [(157, 32768), (4200, 64 * 64)])
 def test_final_state_alone_equals_the_full_pass(T, segment, monkeypatch):
     """kda_final_state skips the outputs: same state and gradients as kda_chunk's final state
@@ -129,7 +141,7 @@ def test_final_state_alone_equals_the_full_pass(T, segment, monkeypatch):
     xs = make(1, T, 2, 2, 16, 8, seed=3)
     _, s_full = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
     g_full = torch.autograd.grad(s_full.square().sum(), xs[1:])  # q reads the state, never writes it
-    s_alone = kda_final_state(*xs[:5], initial_state=xs[5], backend="torch")
+    s_alone = kda_final_state(*xs[:5], initial_state=xs[5], backend="reference")
     g_alone = torch.autograd.grad(s_alone.square().sum(), xs[1:])
     assert_close(s_alone, s_full, "state")
     for a, b in zip(g_alone, g_full):

@@ -72,18 +72,18 @@ def test_model_output_carries_margins(real_tokens):
 
 
 def test_a_decoding_step_routes_the_batch_as_one_chunk_with_each_rows_numbers():
-    """Inside ``untiled`` (incremental decoding) the batch's new tokens go through the experts
+    """In an untiled call (incremental decoding) the batch's new tokens go through the experts
     together: each row gets what it gets alone (to fp32 round-off), the same experts, and the
     load counts of all rows."""
-    from megabase.model.layers import untiled
+    from megabase.model import Context
 
     torch.manual_seed(0)
     moe = build_model("debug").moe_layers()[0].eval()
     x = torch.randn(16, 1, moe.cfg.d_model)
     with torch.no_grad():
         alone = [moe(x[i : i + 1]) for i in range(16)]
-        with untiled():
-            y, _, stats = moe(x)
-    for i, (yi, _, _) in enumerate(alone):
+        y, _, stats, (used, _) = moe(x, Context(untiled=True))
+    for i, (yi, _, _, (used_i, _)) in enumerate(alone):
         assert torch.allclose(y[i], yi[0], atol=1e-6), i
-    assert torch.equal(stats[:, 0], sum(s[:, 0] for _, _, s in alone))
+        assert torch.equal(used[i], used_i[0]), i
+    assert torch.equal(stats[:, 0], sum(s[:, 0] for _, _, s, _ in alone))

@@ -4,7 +4,7 @@ packed in one batch do not see each other."""
 
 import torch
 
-from megabase.rl.replay import taped
+from megabase.rl.replay import replay_context
 from megabase.rl.trainer import merge, sampled_log_probs
 
 
@@ -51,10 +51,20 @@ def test_replay_imposes_the_experts_and_keeps_the_router_gradient(policy, human_
     policy.zero_grad(set_to_none=True)
 
 
-def test_a_tape_is_removed_after_use(policy, human_prompts):
-    with taped(policy):
-        assert all(moe.tape is not None for moe in policy.moe_layers())
-    assert all(moe.tape is None for moe in policy.moe_layers())
+def test_replay_lives_in_one_call_and_leaves_nothing_on_the_model(policy, human_prompts, sample):
+    """Replay is a call's context, not a tape put on the layers: the call after it routes as the
+    router does, and no layer's attributes changed."""
+    groups = sample(policy, human_prompts[:1], group=2, length=16)
+    b = merge(groups)
+    inputs = b["tokens"][:, :-1]
+    shifted = [(r.long() + 1) % policy.cfg.n_experts for r in b["routing"]]
+    before = [dict(vars(m)) for m in policy.modules()]
+    with torch.no_grad():
+        replayed = policy(inputs, ctx=replay_context(policy, shifted, inputs.shape[1]))
+        after = policy(inputs)
+    assert all(torch.equal(u, s.to(u.dtype)) for u, s in zip(replayed.routing, shifted))
+    assert all(torch.equal(u, o) for u, o in zip(after.routing, after.router_choice))
+    assert [dict(vars(m)) for m in policy.modules()] == before
 
 
 def test_no_state_leaks_between_sequences_of_a_batch(policy, human_prompts, sample):

@@ -22,7 +22,6 @@ cache: a new base costs one step, and with the same seed it draws megabase gener
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +38,8 @@ PREFILL = 16_384  # prompt bases per step of the prefill, as megabase generate r
 
 
 def megabase_modules():
-    """``(lm, config, layers)``: the carried megabase modules the wrapper uses."""
-    return tuple(megabase_module(f"model.{name}") for name in ("lm", "config", "layers"))
+    """``(lm, config, stream)``: the carried megabase modules the wrapper uses."""
+    return tuple(megabase_module(f"model.{name}") for name in ("lm", "config", "stream"))
 
 
 megabase_modules()  # imported now: transformers builds the model under a meta device, imports must not
@@ -112,9 +111,10 @@ class MegabasePreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, 0.02)
             module.bias.zero_()
 
-    def _run(self, input_ids, state=None, hidden=False):
+    def _run(self, input_ids, state=None, hidden=False, untiled=None):
         """HybridLM over ``input_ids`` (from ``state`` when given): ``(logits [B, T, 4],
-        hidden states or None, final normed hidden [B, T, d])``."""
+        hidden states or None, final normed hidden [B, T, d])``. ``untiled``: products on the
+        rows given (a decoding step); by default unless ``canonical_tiles``."""
         captured, normed = [], []
         hooks = [self.model.norm.register_forward_hook(lambda m, a, out: normed.append(out))]
         if hidden:
@@ -122,10 +122,9 @@ class MegabasePreTrainedModel(PreTrainedModel):
                 lambda m, args: captured.append(args[0])))
             hooks += [b.register_forward_hook(lambda m, a, out: captured.append(out[0]))
                       for b in self.model.blocks]
-        _, _, layers = megabase_modules()
+        untiled = not self.config.canonical_tiles if untiled is None else untiled
         try:
-            with nullcontext() if self.config.canonical_tiles else layers.untiled():
-                logits = self.model(input_ids, state=state).logits
+            logits = self.model(input_ids, state=state, ctx=self.model.context(untiled=untiled)).logits
         finally:
             for h in hooks:
                 h.remove()
@@ -200,12 +199,16 @@ class MegabaseForCausalLM(MegabasePreTrainedModel, GenerationMixin):
 
     def _step(self, input_ids, cache: MegabaseCache, hidden: bool):
         """Continue the carried state: a prompt in pieces of ``PREFILL`` bases (as megabase reads
-        it), one new base as megabase's decoding step (untiled products, one thread)."""
-        _, _, layers = megabase_modules()
+        it), one new base as megabase's decoding step (``stream.decode_step``: untiled products,
+        one thread)."""
+        _, _, stream = megabase_modules()
         T = input_ids.shape[1]
-        if T == 1 and cache.seen > 0:
-            with layers.untiled(), layers.one_thread():
-                logits, states, _ = self._run(input_ids, cache.state, hidden)
+        if T == 1 and cache.seen > 0 and not hidden:
+            cache.seen += 1
+            return stream.decode_step(self.model, input_ids, cache.state).logits, None
+        if T == 1 and cache.seen > 0:  # the same step, with the hidden states captured
+            with stream.one_thread():
+                logits, states, _ = self._run(input_ids, cache.state, hidden, untiled=True)
             cache.seen += 1
             return logits, states
         parts, all_states = [], []

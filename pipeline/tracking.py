@@ -1,4 +1,6 @@
-"""MLflow tracking of evaluation reports, and loading reports back from runs or files.
+"""MLflow tracking of evaluation reports, and loading reports back from runs or files: every
+conversation with a tracking store lives here (the evaluation floor writes reports and knows
+nothing of MLflow; :func:`evaluate_tracked` is ``megabase evaluate``'s scoring plus its run).
 
 The tracking store is always a database (``sqlite:///path/mlflow.db``) or a server
 (``http(s)://``): MLflow >= 3.13 refuses the old ``./mlruns`` file store. A plain path ending in
@@ -24,14 +26,19 @@ the table of every series and bin (``eval/bins.json``, read back with ``mlflow.l
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from megabase.core.errors import InputError
-
-from .report import check_report
+from megabase.eval.config import EvalConfig
+from megabase.eval.evaluate import check_output, evaluate
+from megabase.eval.report import check_report, report_metrics, report_table, write_report
+from megabase.model.checkpoint import held_checkpoint, read_checkpoint_config
 
 DEFAULT_TRACKING_URI = "sqlite:///work/mlflow.db"
 DEFAULT_EXPERIMENT = "megabase"
@@ -76,7 +83,6 @@ def _create_once(path: Path) -> None:
     marker = path.with_name(path.name + ".lock")
     if path.is_file() and marker.is_file() and marker.read_text() == "ready\n":
         return
-    import fcntl
 
     with open(marker, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -94,7 +100,6 @@ def _create_once(path: Path) -> None:
 def quiet_libraries() -> None:
     """Keep MLflow's and Lightning's start-up chatter (database migrations, hardware lines, tips)
     out of a command's output; their warnings and errors still show."""
-    import logging
 
     import mlflow  # noqa: F401  (configures its loggers on import; levels are set after)
 
@@ -152,7 +157,6 @@ def retry_locked(call, uri: str, kept: str, wait_s: float | None = None):
     :data:`LOCK_WAIT_S`); then :class:`TrackingLockedError` saying what is ``kept`` on disk. A
     store that cannot be written (:func:`store_failure`) is a :class:`TrackingStoreError` at
     once, saying the same."""
-    import time
 
     wait_s = float(os.environ.get("MEGABASE_TRACKING_WAIT_S", LOCK_WAIT_S)) if wait_s is None \
         else wait_s
@@ -190,98 +194,6 @@ def experiment_id(client, uri: str, name: str) -> str:
     if uri.startswith("sqlite:///"):
         location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
     return client.create_experiment(name, artifact_location=location)
-
-
-def bin_key(b: dict) -> str:
-    return f"ctx_{b['context_lo']}-{b['context_hi']}"
-
-
-def report_metrics(report: dict) -> dict[str, float]:
-    """The flat metrics of a report (see the module docs), NaN-free."""
-    out: dict[str, float] = {}
-
-    def add(prefix: str, summary: dict, per_bin: bool) -> None:
-        o = summary["overall"]
-        out[f"{prefix}/n_tokens"] = float(o["n_tokens"])
-        for field in ("bits_per_base", "nats_per_base", "perplexity"):
-            out[f"{prefix}/{field}"] = o[field]
-        for part in ("unique", "repeat"):
-            out[f"{prefix}/{part}/bits_per_base"] = o[part]["bits_per_base"]
-        if per_bin:
-            for b in summary["bins"]:
-                out[f"{prefix}/bits_per_base/{bin_key(b)}"] = b["bits_per_base"]
-                out[f"{prefix}/n_tokens/{bin_key(b)}"] = float(b["n_tokens"])
-
-    add("eval", report, per_bin=True)
-    for limit, summary in report.get("controls", {}).items():
-        add(f"eval/control_{limit}", summary, per_bin=True)
-    for name, summary in report.get("baselines", {}).items():
-        add("eval/baseline/" + name.replace(" ", "_"), summary, per_bin=False)
-    for limit, rows in report.get("context_gain", {}).items():
-        for row in rows:
-            for part in ("all", "unique", "repeat"):
-                g = row[part]
-                key = f"eval/gain_over_control_{limit}/{part}/{bin_key(row)}"
-                out[key] = g["gain_bits_per_base"]
-                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
-    ref = report.get("copy_reference")
-    if ref:
-        add("eval/copy", ref, per_bin=True)
-        for limit, summary in ref.get("controls", {}).items():
-            add(f"eval/copy/control_{limit}", summary, per_bin=False)
-    for limit, worth in report.get("context_worth", {}).items():
-        for who in ("model", "copy"):
-            for part in ("all", "unique", "repeat"):
-                g = worth[who][part]
-                key = f"eval/context_worth_{limit}/{who}/{part}"
-                out[key] = g["gain_bits_per_base"]
-                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
-        out[f"eval/context_worth_{limit}/share"] = worth["share"]
-    for row in report.get("probe", []):
-        d = row["distance"]
-        for field in ("first_copy_bits_per_base", "second_copy_bits_per_base", "gain_bits_per_base"):
-            out[f"eval/probe/d_{d}/{field}"] = row[field]
-        for i, rate in enumerate(row.get("dsa_hit_rate") or []):
-            out[f"eval/probe/d_{d}/dsa_hit_rate/layer_{i}"] = rate
-    for row in report.get("moe_load", []):
-        out[f"eval/moe_load_max_over_mean/layer_{row['layer']}"] = row["max_over_mean"]
-        out[f"eval/moe_idle_experts/layer_{row['layer']}"] = float(row["idle_experts"])
-    fit = (report.get("moe_rebalance") or {}).get("max_over_mean") or []
-    kept = (report.get("moe_rebalance") or {}).get("kept", len(fit) - 1)
-    for i, (before, after) in enumerate(zip(fit[0], fit[kept]) if fit else []):
-        out[f"eval/moe_rebalance/max_over_mean_before/layer_{i}"] = before
-        out[f"eval/moe_rebalance/max_over_mean_after/layer_{i}"] = after
-    if (report.get("moe_rebalance") or {}).get("cost"):
-        out["eval/moe_rebalance/cost_bits_per_base"] = \
-            report["moe_rebalance"]["cost"]["all"]["gain_bits_per_base"]
-        out["eval/moe_rebalance/trained_bits_per_base"] = \
-            report["moe_rebalance"]["trained"]["bits_per_base"]
-    return {k: float(v) for k, v in out.items() if v is not None and v == v}  # empty bins: none
-
-
-def report_table(report: dict) -> dict[str, list]:
-    """Columns of one row per (series, bin): what ``eval/bins.json`` holds. ``role`` is
-    ``model`` for the report's own curve (a baseline report's too), else ``control``, ``baseline``,
-    ``reference`` (the copy model) or ``reference control``."""
-    from .report import roles as curve_roles, series
-
-    roles = curve_roles(report)
-    cols: dict[str, list] = {k: [] for k in (
-        "series", "role", "context_lo", "context_hi", "n_tokens", "bits_per_base",
-        "nats_per_base", "bits_ci_lo", "bits_ci_hi", "unique_bits_per_base",
-        "repeat_bits_per_base")}
-    for name, s in series(report).items():
-        for b in s["bins"]:
-            row = {"series": name, "role": roles.get(name, "model"),
-                   "context_lo": b["context_lo"], "context_hi": b["context_hi"],
-                   "n_tokens": b["n_tokens"], "bits_per_base": b["bits_per_base"],
-                   "nats_per_base": b["nats_per_base"], "bits_ci_lo": b["bits_per_base_ci"][0],
-                   "bits_ci_hi": b["bits_per_base_ci"][1],
-                   "unique_bits_per_base": b["unique"]["bits_per_base"],
-                   "repeat_bits_per_base": b["repeat"]["bits_per_base"]}
-            for key, value in row.items():
-                cols[key].append(value)
-    return cols
 
 
 def open_run(tracking_uri: str | None = None, run_id: str | None = None,
@@ -347,7 +259,6 @@ def abandon_run(target: dict) -> None:
 
 
 def _now_ms() -> int:
-    import time
 
     return int(time.time() * 1000)
 
@@ -383,4 +294,78 @@ def load_report(ref: str, tracking_uri: str | None = None) -> dict:
     check_report(report, f"MLflow run {ref}")
     report["name"] = run.info.run_name or report.get("name", ref)
     report["source"] = f"run {ref}"
+    return report
+
+
+def tracking_target(config: dict, checkpoint: Path, mlflow_run: str | None = None,
+                    experiment: str | None = None, tracking_uri: str | None = None) -> dict | None:
+    """Where a checkpoint's report goes: :func:`open_run`'s arguments, or None (a checkpoint of no
+    recorded run, and neither a run nor an experiment named). ``mlflow_run``, else the run
+    recorded in the checkpoint's ``config`` (key ``mlflow``) unless ``tracking_uri`` names
+    another store, else a new run of ``experiment`` when one is named or the store is another. A
+    named run is opened now: a wrong run id fails before minutes of scoring."""
+    recorded = config.get("mlflow") or {}
+    elsewhere = tracking_uri is not None and recorded.get("tracking_uri") is not None and \
+        retry_locked(lambda: resolve_tracking_uri(tracking_uri), tracking_uri,
+                     "nothing was scored yet") != recorded["tracking_uri"]
+    run = mlflow_run or (None if experiment or elsewhere else recorded.get("run_id"))
+    if elsewhere and not run:  # another store than the training run's: a new run there
+        experiment = experiment or DEFAULT_EXPERIMENT
+    if not (run or experiment):
+        return None
+    uri = tracking_uri or (recorded.get("tracking_uri") if run == recorded.get("run_id") else None)
+    target = dict(tracking_uri=uri, run_id=run, experiment=experiment or DEFAULT_EXPERIMENT,
+                  run_name=f"evaluate {Path(checkpoint).name}")
+    if run:
+        retry_locked(lambda: open_run(**target), given_tracking_uri(uri), "nothing was scored yet")
+    return target
+
+
+def evaluate_tracked(checkpoint: str | Path, data: str | Path, options: EvalConfig | None = None,
+                     out: str | Path | None = None, windows: str | Path | None = None,
+                     split: str = "eval", progress: bool = True, mlflow_run: str | None = None,
+                     experiment: str | None = None, tracking_uri: str | None = None,
+                     track: bool = True) -> dict:
+    """:func:`megabase.eval.evaluate.evaluate`, then the report logged to its run
+    (:func:`tracking_target`; ``track=False`` logs nothing). The report is on disk before MLflow
+    is asked for anything, so a tracking store that fails or stays locked costs no scoring
+    (:func:`log_saved_report` logs it later); a run is created only then, and deleted if logging
+    fails."""
+    options = (options or EvalConfig()).check()  # bad options are refused before anything is read
+    if out is not None:
+        check_output(Path(out))
+    with held_checkpoint(checkpoint) as held:
+        target = None
+        if track:
+            target = tracking_target(read_checkpoint_config(held), held, mlflow_run, experiment,
+                                     tracking_uri)
+        report = evaluate(held, data, options, out, windows, split, progress)
+        if target:
+            log_saved_report(report, Path(report["files"]["json"]).parent, target)
+        return report
+
+
+def log_saved_report(report: dict, out: Path, tracking: dict) -> dict:
+    """Log a report written in ``out`` to MLflow (``tracking``: :func:`open_run` arguments), then
+    record the run in its ``report.json``; waits a while for a locked store (retry_locked)."""
+    given = given_tracking_uri(tracking.get("tracking_uri"))
+    where = "--mlflow-run " + tracking["run_id"] if tracking.get("run_id") else \
+        "--experiment " + str(tracking.get("experiment", DEFAULT_EXPERIMENT))
+
+    def kept(uri: str) -> str:
+        return f"the report is in {out}; log it later with `megabase log {out} --tracking-uri " \
+            f"{uri} {where}`"
+
+    # making a new store writes it: a full disk fails here already
+    uri = retry_locked(lambda: resolve_tracking_uri(given), given, kept(given))
+    target = retry_locked(lambda: open_run(**{**tracking, "tracking_uri": uri}), uri, kept(uri))
+    report["mlflow"] = {k: target[k] for k in ("tracking_uri", "run_id", "experiment_id")}
+    try:
+        files = write_report(report, out)
+        retry_locked(lambda: log_report(report, files, target), uri, kept(uri))
+    except BaseException:
+        abandon_run(target)
+        report.pop("mlflow")
+        write_report(report, out)  # no run named that holds nothing
+        raise
     return report

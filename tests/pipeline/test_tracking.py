@@ -5,7 +5,8 @@ import json
 import pytest
 
 from megabase.core.errors import InputError
-from megabase.eval.tracking import report_metrics, resolve_tracking_uri
+from megabase.eval.report import report_metrics
+from megabase.pipeline.tracking import resolve_tracking_uri
 from megabase.pipeline.cli import main
 
 
@@ -161,7 +162,7 @@ def test_two_processes_creating_one_fresh_store(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from megabase.eval.tracking import resolve_tracking_uri, _client, "
+    code = ("import sys; from megabase.pipeline.tracking import resolve_tracking_uri, _client, "
             "experiment_id; uri = resolve_tracking_uri(sys.argv[1]); "
             "print(experiment_id(_client(uri), uri, 'race'))")
     db = str(tmp_path / "fresh" / "mlflow.db")

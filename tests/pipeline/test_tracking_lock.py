@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megabase.eval.tracking import resolve_tracking_uri
+from megabase.pipeline.tracking import resolve_tracking_uri
 from megabase.pipeline.cli import main
 
 HOLD = ("import sqlite3, sys, time\n"
@@ -134,7 +134,7 @@ def test_a_full_database_is_a_store_failure(tmp_path):
     wraps it: recognised through the chain of causes."""
     import sqlite3
 
-    from megabase.eval.tracking import TrackingStoreError, retry_locked, store_failure
+    from megabase.pipeline.tracking import TrackingStoreError, retry_locked, store_failure
 
     db = sqlite3.connect(tmp_path / "small.db")
     db.execute("CREATE TABLE t (x BLOB)")
