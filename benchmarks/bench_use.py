@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 from megabase.core.vocab import SEP, gc_fraction  # noqa: E402
-from megabase.model import HybridLM, advance, decode_step  # noqa: E402
+from megabase.model import advance, decode_step  # noqa: E402
 
 
 def bases(n: int, offset: int = 0) -> np.ndarray:
@@ -126,27 +126,42 @@ def bench_generate(preset: str, prompt_length: int = 65_536, steps: int = 100) -
     return {"incremental_s": per_base, "rerun_s": rerun}
 
 
+def per_sequence_moe(forward):
+    """``MoE.forward`` run one sequence of the batch at a time: the path a decoding step took
+    before the batch's new tokens went through the experts as one chunk."""
+    def run(self, x, ctx):
+        parts = [forward(self, x[b : b + 1], ctx) for b in range(x.shape[0])]
+        used = torch.cat([p[3][0] for p in parts]), torch.cat([p[3][1] for p in parts])
+        return (torch.cat([p[0] for p in parts]), sum(p[1] for p in parts),
+                sum(p[2] for p in parts), used)
+    return run
+
+
 def bench_batch(preset: str, batch: int = 16, prompt_length: int = 256, steps: int = 50) -> dict:
-    """A decoding step of ``batch`` sequences: the MoE layers' new tokens as one chunk (the
-    default) against one chunk per sequence (the same weights with ``moe_chunk`` below the
-    batch, which takes the per-sequence path)."""
+    """A decoding step of ``batch`` sequences: the MoE layers' new tokens as one chunk (what
+    ``decode_step`` does) against one MoE call per sequence (:func:`per_sequence_moe`)."""
+    from megabase.model.moe import MoE
+
     model = model_of(preset)
-    per_sequence = HybridLM(model.cfg.replace(moe_chunk=batch - 1)).eval()
-    per_sequence.load_state_dict(model.state_dict())
     prompts = torch.from_numpy(bases(batch * prompt_length).astype(np.int64)).reshape(batch, -1)
     seq = torch.cat([torch.full((batch, 1), SEP), prompts], dim=1)
-    per_step = {}
-    with torch.no_grad():
-        for name, m in (("per_sequence", per_sequence), ("one_chunk", model),
-                        ("per_sequence", per_sequence), ("one_chunk", model)):
-            state = m.init_state()
-            advance(m, seq, state)
-            nxt = torch.randint(0, 4, (steps, batch, 1), generator=torch.Generator().manual_seed(0))
-            start = time.perf_counter()
-            for i in range(steps):  # as the samplers take each step
-                decode_step(m, nxt[i], state)
-            # the better of two rounds each: the first round of either warms the allocator
-            per_step[name] = min(per_step.get(name, float("inf")), (time.perf_counter() - start) / steps)
+    per_step, one_chunk = {}, MoE.forward
+    try:
+        with torch.no_grad():
+            for name in ("per_sequence", "one_chunk", "per_sequence", "one_chunk"):
+                MoE.forward = per_sequence_moe(one_chunk) if name == "per_sequence" else one_chunk
+                state = model.init_state()
+                advance(model, seq, state)
+                nxt = torch.randint(0, 4, (steps, batch, 1),
+                                    generator=torch.Generator().manual_seed(0))
+                start = time.perf_counter()
+                for i in range(steps):  # as the samplers take each step
+                    decode_step(model, nxt[i], state)
+                # the better of two rounds each: the first round of either warms the allocator
+                per_step[name] = min(per_step.get(name, float("inf")),
+                                     (time.perf_counter() - start) / steps)
+    finally:
+        MoE.forward = one_chunk
     return per_step
 
 

@@ -11,6 +11,8 @@ import numpy as np
 from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import Region, parse_region
 from megabase.data.windows import first_overlap, resolve_splits
+from megabase.model import load_checkpoint, read_checkpoint_config
+from megabase.model.checkpoint import held_checkpoint, weights_sha256
 
 from .bins import cover_edges, default_edges, gain_beyond, paired_gain, whole
 from .config import EvalConfig, check_controls
@@ -118,8 +120,6 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     Logging the report to a tracking run is the pipeline's
     (:func:`megabase.pipeline.tracking.evaluate_tracked`).
     """
-    from megabase.model.checkpoint import held_checkpoint
-
     started = time.perf_counter()
     o = (options or EvalConfig()).check()
     with held_checkpoint(checkpoint) as held:
@@ -142,8 +142,6 @@ def report_folder(checkpoint: Path) -> Path:
 
 def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool) -> dict:
     """:func:`evaluate`'s scoring of a held ``checkpoint``: the report."""
-    from megabase.model import load_checkpoint, read_checkpoint_config
-    from megabase.model.checkpoint import weights_sha256
 
     config = read_checkpoint_config(checkpoint)
     recorded = config.get("regions") or {}

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from megabase.data.progress import Progress
 from megabase.core.vocab import N_BASES
+from megabase.data.progress import Progress
+from megabase.model.dsa import capture_selections
 
 from .bins import LN2
+
 
 PROBE_DISTANCES = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000)
 
@@ -85,8 +87,6 @@ def _score(scorer, window: np.ndarray, d: int, m: int, offsets: list[int]):
     model = getattr(scorer, "model", None)
     if model is None:
         return scorer(window), None, None
-    from megabase.model.dsa import capture_selections
-
     lo, hi = offsets[0] + d, offsets[-1] + d + m
     captures = capture_selections(model, lo, hi)
     nll = scorer(window, ctx=model.context(capture=captures))

@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from megabase.core.vocab import N_BASES, SEP
+from megabase.model import log_probs
+from megabase.model.moe import N_MARGIN_BINS, MoE
+
 
 Scorer = Callable[[np.ndarray], np.ndarray]
 
@@ -32,8 +35,6 @@ class ModelScorer:
         the block runs (a streamed window's replayed tile boundaries, < 1,024 tokens per piece, are
         counted twice); with ``margins``, ``[n_moe_layers, E, 1 + N_MARGIN_BINS]``: the counts,
         then each expert's histogram of routing margins (``MoE.margins``)."""
-        from megabase.model.moe import N_MARGIN_BINS, MoE
-
         layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         E = self.model.cfg.n_experts
         load = torch.zeros(len(layers), E, 1 + N_MARGIN_BINS) if margins else torch.zeros(len(layers), E)
@@ -54,8 +55,6 @@ class ModelScorer:
     def __call__(self, tokens: np.ndarray, ctx=None) -> np.ndarray:
         """``ctx``: how the model's calls run (:meth:`HybridLM.context`; e.g. capturing the DSA
         layers' selections)."""
-        from megabase.model import log_probs
-
         seq = torch.from_numpy(np.concatenate([[SEP], tokens]).astype(np.int64))[None]
         seg = self.segment if self.segment and len(tokens) > self.segment else None
         nll = -log_probs(self.model, seq, segment=seg, ctx=ctx)[0].double().numpy()
@@ -66,8 +65,6 @@ class ModelScorer:
     def many(self, pieces: list[np.ndarray]) -> list[np.ndarray]:
         """Score pieces of one length as one batch ``[len(pieces), n]``: the control's short
         pieces, which one at a time leave most of a CPU's cores idle."""
-        from megabase.model import log_probs
-
         seq = np.concatenate([np.full((len(pieces), 1), SEP), np.stack(pieces)], axis=1)
         nll = -log_probs(self.model, torch.from_numpy(seq.astype(np.int64))).double().numpy()
         nll[seq[:, 1:] >= N_BASES] = np.nan

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+from megabase.core.atomic import remove_stale_temps
+from megabase.core.locks import holding
 from megabase.data import InputError, TokenStore
 from megabase.data.names import parse_region
+from megabase.model import load_checkpoint
+from megabase.model.checkpoint import resolve_checkpoint
+from megabase.model.config import STAGES
+
 
 LN2 = float(np.log(2.0))
 # bases per streamed piece: memory is bounded by this, not by the region; pieces of 16,384 ran
@@ -58,9 +64,6 @@ def load_model(checkpoint: str | Path, dsa_stage: str | None = None):
     """The checkpoint's model in eval mode (one line naming the file if it is damaged). A run's
     folder (``work/runs/demo``) means its latest checkpoint. ``dsa_stage``: the DSA indexer's
     candidate stage to run it with (``exact``, ``max``, ``mean``); None: the checkpoint's."""
-    from megabase.model import load_checkpoint
-    from megabase.model.config import STAGES
-    from megabase.model.checkpoint import resolve_checkpoint
 
     if dsa_stage is not None and dsa_stage not in STAGES:
         raise InputError(f"{{dsa_stage}} must be one of {', '.join(STAGES)}, got {dsa_stage!r}",
@@ -96,8 +99,6 @@ def sole_writer(out: Path | None, command: str, names: tuple[str, ...] = ()) -> 
         return
     import glob
 
-    from megabase.core.atomic import remove_stale_temps
-    from megabase.core.locks import holding
 
     out = Path(out)
     made = not out.exists()

@@ -11,11 +11,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megabase.data import InputError, TokenStore
+from megabase.core.atomic import building_dir, retarget, writing
 from megabase.core.vocab import SEP
+from megabase.data import InputError, TokenStore, read_bed
+from megabase.data.progress import progress as progress_of
+from megabase.model import stream
 
 from .common import (DEFAULT_SEGMENT, Interval, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions, sole_writer)
+
 
 DATASET, ARRAY = "embeddings.dataset", "embeddings.npy"
 
@@ -37,8 +41,6 @@ def embed_tokens(model, tokens: np.ndarray, layer: int | None = None, per_base: 
     """The residual stream after block ``layer`` (default: the last) at each base of ``tokens``
     (having read that base and the ones before it, after a ``<sep>`` start), streamed ``segment``
     bases at a time: ``[n, d]`` float32 per base, or its mean ``[d]`` (summed in fp64)."""
-    from megabase.model import stream
-
     layer = len(model.blocks) if layer is None else layer
     seq = torch.from_numpy(np.concatenate([[SEP], tokens]).astype(np.int64))[None]
     total = np.zeros(model.cfg.d_model, dtype=np.float64)
@@ -63,8 +65,6 @@ def _intervals(store: TokenStore, windows: str | Path | None, split: str | None,
                          options=("windows", "regions"))
     if regions:
         return resolve_regions(store, list(regions))
-    from megabase.data import read_bed
-
     out = []
     for w in read_bed(windows, split):
         name = store.resolve(w.chrom)
@@ -118,8 +118,6 @@ def _write_pair(out: Path, result: EmbedResult, features, rows) -> None:
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    from megabase.core.atomic import building_dir, retarget, writing
-
     with writing(out / ARRAY) as array_tmp:
         with open(array_tmp, "wb") as fh:
             np.save(fh, result.embeddings)
@@ -145,8 +143,6 @@ def embed(checkpoint: str | Path, data: str | Path, windows: str | Path | None =
     mean-pooled per window or ``per_base``, each window streamed ``segment`` bases at a time from
     its own start. With ``out`` (a folder) writes ``embeddings.npy`` and ``embeddings.dataset``
     (``datasets.load_from_disk``: columns chrom, start, end, row, embedding)."""
-    from megabase.data.progress import progress as progress_of
-
     started = time.perf_counter()
     store = TokenStore(data)
     intervals = _intervals(store, windows, split, regions)

@@ -21,10 +21,10 @@ from megabase.core.errors import TrainingError
 from megabase.core.vocab import N_BASES, SEP, SYMBOLS, gc_fraction
 from megabase.data import InputError, TokenStore
 from megabase.data.fasta import read_fasta, write_fasta
+from megabase.data.progress import progress as progress_of
 from megabase.model import decode_step, prefill
 
-from .common import (DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes,
-                     resolve_regions)
+from .common import DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes, resolve_regions
 
 
 class SamplingError(TrainingError):
@@ -181,8 +181,6 @@ def generate(checkpoint: str | Path, length: int, out: str | Path | None = None,
     """Sample ``samples`` continuations (seeds ``seed``, ``seed + 1``, ...) of ``length`` bases
     after a prompt (a region of the store ``data``, or the first record of ``prompt_fasta``);
     with ``out`` (a file) write them as FASTA."""
-    from megabase.data.progress import progress as progress_of
-
     started = time.perf_counter()
     _check_sampling(length, temperature, top_k)
     if samples < 1:

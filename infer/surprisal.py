@@ -15,8 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megabase.data import TokenStore
+from megabase.core.atomic import writing
 from megabase.core.vocab import N_BASES, SEP
+from megabase.data import InputError, TokenStore
+from megabase.data.progress import progress as progress_of
+from megabase.model import stream
+from megabase.model.checkpoint import resolve_checkpoint, weights_sha256
 
 from .common import (DEFAULT_SEGMENT, LN2, Interval, check_output_dir, load_model, peak_rss_bytes,
                      resolve_regions, sole_writer, tokens_of)
@@ -57,8 +61,6 @@ def score_tokens(model, tokens: np.ndarray, skip: int = 0, segment: int = DEFAUL
     """Surprisal (bits) of ``tokens[skip:]`` given everything before each base (``tokens[:skip]``
     is context only), streamed ``segment`` bases at a time: ``(bits [n - skip], entropy or
     None)``. ``progress``: called with the number of bases of each piece once it is done."""
-    from megabase.model import stream
-
     seq = np.concatenate([[SEP], tokens]).astype(np.int64)
     inputs, targets = torch.from_numpy(seq[:-1])[None], torch.from_numpy(seq[1:])
     n = len(tokens)
@@ -92,11 +94,6 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
     (what was scored, how, and the files); track files of an earlier run that this one does not
     write are removed (see the module's docs), other files are left alone.
     """
-    from megabase.data.progress import progress as progress_of
-
-    from megabase.data import InputError
-    from megabase.model.checkpoint import weights_sha256
-    from megabase.model.checkpoint import resolve_checkpoint
 
     if segment < 1 or context < 0:
         raise InputError("{segment} must be positive and {context} at least 0",
@@ -143,8 +140,6 @@ def _write_tracks(out: Path, store: TokenStore, tracks: list[Track], entropy: bo
     sit beside this run's as if from it), the tracks are renamed into place and the manifest
     last, so a folder with a manifest holds exactly that run's tracks."""
     from contextlib import ExitStack
-
-    from megabase.core.atomic import writing
 
     sizes = {name: store.length(name) for name in store.names}
     stems = {"surprisal": "bits", **({"entropy": "entropy"} if entropy else {})}

@@ -26,11 +26,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from megabase.core.atomic import writing
+from megabase.core.vocab import N_BASES, RC_LUT, SEP, tokenize
 from megabase.data import InputError, TokenStore
 from megabase.data.names import resolve_name
-from megabase.core.vocab import N_BASES, RC_LUT, SEP, tokenize
+from megabase.data.progress import progress as progress_of
+from megabase.model import advance, fork
 
 from .common import check_output_dir, load_model, peak_rss_bytes, sole_writer
+
 
 if TYPE_CHECKING:
     import pysam
@@ -232,8 +236,6 @@ def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.nd
     Each alternative is scored as soon as the reference pass reaches it, from a fork of the
     state there, and only its sum is kept: a fork holds the DSA caches up to its position, so
     keeping them all until the reference pass ends would take memory in variants x window."""
-    from megabase.model import advance, fork
-
     seq = np.concatenate([[SEP], tile]).astype(np.int64)
     inputs = torch.from_numpy(seq[:-1])[None]
     state, done, ref_logp = model.init_state(), 0, np.zeros(len(tile))
@@ -267,8 +269,6 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
     """Score every allele of ``vcf`` against the store ``data`` (see the module). With ``out`` (a
     folder) writes ``variants.tsv`` and ``variants.vcf.gz`` (INFO ``MB_LLR``, one value per ALT).
     ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record."""
-    from megabase.data.progress import progress as progress_of
-
     if window < 16:
         raise InputError("{window} must be at least 16 bases", options=("window",))
     if multiallelic not in ("split", "refuse"):
@@ -318,8 +318,6 @@ def _write(out: Path, source: _Source, variants: list[Variant], window: int,
     raise) when it is written, leaving the temporary file behind. Contigs the input did not
     define get a ``##contig`` line with the store's length, so the output is indexable."""
     import pysam
-
-    from megabase.core.atomic import writing
 
     rows = ["#chrom\tpos\tid\tref\talt\tvcf_line\tllr_fwd\tllr_rev\tllr"]
     for v in variants:

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
-from megabase.core.atomic import building_dir, file_sha256, naming
+from megabase.core.atomic import building_dir, current_umask, file_sha256, naming
 from megabase.core.errors import InputError
 from megabase.core.locks import hold_reading, release_reading
 from megabase.core.vocab import vocab_dict
 
 from .config import RUNTIME_FIELDS, STAGE_FIELDS, ModelConfig
 from .lm import HybridLM
+
 
 FORMAT = "megabase-checkpoint"
 VERSION = 1
@@ -70,8 +71,6 @@ def save_safetensors(state: dict, path: str | Path, metadata: dict[str, str] | N
         number = int(code.group(1))
         raise OSError(number, os.strerror(number) or errno.errorcode.get(number, str(number)),
                       str(path)) from None
-    from megabase.core.atomic import current_umask
-
     # safetensors creates the file 0600: the weights of a shared project's run were readable by
     # their writer alone, beside a config.json the umask let everyone read
     os.chmod(path, 0o666 & ~current_umask())

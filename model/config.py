@@ -7,6 +7,10 @@ from dataclasses import dataclass, fields
 
 from megabase.core.errors import InputError
 from megabase.core.vocab import VOCAB_SIZE
+from megabase.kernels.dsa import BACKENDS as DSA_BACKENDS
+from megabase.kernels.dsa.stage import Stage
+from megabase.kernels.kda import ALIASES as KDA_ALIASES, BACKENDS as KDA_BACKENDS
+
 
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
@@ -130,9 +134,6 @@ class ModelConfig:
                              f"update), got {self.bias_update_rate!r}")
         if not self.kda_lower_bound < 0:
             raise InputError(f"model.kda_lower_bound must be negative, got {self.kda_lower_bound}")
-        from megabase.kernels.dsa import BACKENDS as DSA_BACKENDS
-        from megabase.kernels.kda import ALIASES as KDA_ALIASES
-        from megabase.kernels.kda import BACKENDS as KDA_BACKENDS
 
         # "torch", the reference's old name, is still in configs saved before the rename
         self.kda_backend = KDA_ALIASES.get(self.kda_backend, self.kda_backend)
@@ -159,8 +160,6 @@ class ModelConfig:
         the exact scan."""
         if self.dsa_stage == "exact":
             return None
-        from megabase.kernels.dsa.stage import Stage
-
         return Stage(self.dsa_stage, self.dsa_stage_from, self.dsa_stage_block,
                      self.dsa_stage_blocks, self.dsa_stage_local, self.dsa_stage_seed,
                      self.dsa_stage_seed_cap, self.dsa_stage_carry)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from megabase.core.errors import InputError
 
 from .config import ModelConfig
+from .lm import HybridLM
+
 
 DENSE_DIM = 463  # 1,820,672 active parameters; cpu-small: 1,820,796
 
@@ -64,8 +66,6 @@ def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     rows of the k-mer embedding tables other than its own ``kmer_embed - 1``.
     """
     import torch
-
-    from .lm import HybridLM
 
     with torch.device("meta"):
         model = HybridLM(cfg)

@@ -22,6 +22,7 @@ from lightning.fabric.plugins import CheckpointIO
 from megabase.core.atomic import remove_stale_temps, write_atomic
 from megabase.core.errors import CheckpointWriteError, InputError
 from megabase.core.locks import remove_unless_read
+from megabase.model import verify_checkpoint
 from megabase.model.checkpoint import (LATEST, TRAINER_STATE, WEIGHTS, checkpoint_step,
                                        complete_checkpoints, save_checkpoint)
 
@@ -60,8 +61,6 @@ class DirectoryCheckpointIO(CheckpointIO):
 def trainer_state(path: Path) -> dict:
     """``trainer.pt`` of a checkpoint (optimizer, loops, RNG...), read without unpickling code;
     checked against its recorded sha256. A damaged file is an InputError naming it."""
-    from megabase.model import verify_checkpoint
-
     verify_checkpoint(path, (TRAINER_STATE, WEIGHTS))
     try:
         return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .context_parallel import ContextParallel, apply_context_parallel, summed
+from .memory import apply_heap_trim, apply_offload, apply_recompute
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,6 @@ def parallelize(model: torch.nn.Module, layout: Layout, recompute: str = "none",
                 offload: bool = False, trim_heap: bool = False) -> torch.nn.Module:
     """Context parallelism, then activation recompute, then offload, then heap trimming: the fixed
     order (each wraps what the previous one installed)."""
-    from .memory import apply_heap_trim, apply_offload, apply_recompute
-
     apply_context_parallel(model, layout.cp)
     apply_recompute(model, recompute)
     if offload:

@@ -12,11 +12,14 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from megabase.core.errors import TrainingDivergedError
+from megabase.core.vocab import N_BASES, SEP
+from megabase.data.augment import plant_repeats
 from megabase.data.progress import Progress
 
 from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
-from megabase.core.errors import TrainingDivergedError
+from .summary import moe_warning
 
 
 COLLAPSE_RATIO = 3.0  # max/mean expert load above which a layer is reported as collapsing
@@ -145,8 +148,6 @@ class LitLM(pl.LightningModule):
         """The synthetic-repeat curriculum on a batch's targets ``[B, L]``: new ``(input_ids,
         targets, loss_mask)``, drawn from (seed, step, micro-batch, data replica) so a resumed or
         context-parallel run plants the same copies."""
-        from megabase.data.augment import plant_repeats
-        from megabase.core.vocab import N_BASES, SEP
 
         d = self.cfg.data
         rng = np.random.default_rng((self.cfg.train.seed, self.global_step, micro,
@@ -207,8 +208,6 @@ class LitLM(pl.LightningModule):
     def _warn_collapse(self, ratio: torch.Tensor, idle: torch.Tensor) -> None:
         """One line in the progress output the first time a MoE layer routes more than
         ``COLLAPSE_RATIO`` times the mean load to one expert, or leaves an expert idle."""
-        from .summary import moe_warning
-
         for i, (r, n) in enumerate(zip(ratio.tolist(), idle.tolist())):
             if i not in self._flagged and (r > COLLAPSE_RATIO or n > 0):
                 self._flagged.add(i)

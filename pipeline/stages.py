@@ -11,8 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megabase.core.errors import InputError
+from megabase.core.locks import holding
+from megabase.eval.evaluate import check_apart
+from megabase.model import read_checkpoint_config
 
 from .config import RunConfig, check_init_from
+from .plan import RunPlan, resume_point
+from .tracking import evaluate_tracked
+from .train import fit_plan
+from .workdir import ensure_store, ensure_windows, run_dir, windows_path
 
 
 @dataclass
@@ -34,9 +41,6 @@ class RunResult:
 def run(cfg: RunConfig, progress: bool = True) -> RunResult:
     """The whole job (see module docs); returns where everything is. The run folder is locked
     throughout: a second ``megabase run`` of the same config is refused, naming the first."""
-    from megabase.core.locks import holding
-
-    from .workdir import run_dir
 
     if cfg.train.devices * cfg.train.num_nodes > 1:
         raise InputError("megabase run trains in one process; for several devices run `megabase "
@@ -48,13 +52,7 @@ def run(cfg: RunConfig, progress: bool = True) -> RunResult:
 
 
 def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
-    from megabase.eval.evaluate import check_apart
-    from megabase.model import read_checkpoint_config
 
-    from .plan import RunPlan, resume_point
-    from .tracking import evaluate_tracked
-    from .train import fit_plan
-    from .workdir import ensure_store, ensure_windows, run_dir, windows_path
 
     out = run_dir(cfg)
     point = resume_point(cfg, out, resume=True)  # `run` resumes on its own; refused before writing

@@ -23,9 +23,18 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
 from megabase.core.atomic import write_atomic
+from megabase.core.locks import holding
+from megabase.data import ResumableSampler, WindowDataset
+from megabase.model import build_model, load_checkpoint
+from megabase.model.checkpoint import latest_checkpoint, resolve_checkpoint
 
+from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint
 from .config import RunConfig, check_init_from, dump_config, flat_params, model_config
+from .distributed import trainer_kwargs
+from .lit import LitLM, LogProgress, StepLog
 from .plan import RunPlan, resume_point
+from .tracking import experiment_id, is_locked, quiet_libraries, resolve_tracking_uri, retry_locked
+from .workdir import ensure_windows, open_store, relocate_artifacts, run_dir
 
 
 class TrainingStream(torch.utils.data.Sampler[int]):
@@ -42,8 +51,6 @@ class TrainingStream(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, n: int, seed: int, start: int, batch: int = 1, context_parallel: int = 1):
-        from megabase.data import ResumableSampler
-
         self.order = ResumableSampler(n, seed).order
         self.n, self.start, self.batch, self.cp = n, start, batch, context_parallel
 
@@ -78,14 +85,10 @@ class PatientMLFlowLogger(MLFlowLogger):
         self._kept = kept
 
     def log_metrics(self, metrics, step=None) -> None:
-        from megabase.pipeline.tracking import retry_locked
-
         retry_locked(lambda: super(PatientMLFlowLogger, self).log_metrics(metrics, step),
                      self._tracking_uri, self._kept)
 
     def finalize(self, status: str = "success") -> None:
-        from megabase.pipeline.tracking import is_locked, retry_locked
-
         if status != "success":  # the training already failed: its error is the one to report
             try:
                 super().finalize(status)
@@ -117,9 +120,6 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     folder is locked while it trains: a second process on it is refused, naming the first."""
     from lightning.pytorch.utilities import rank_zero_only
 
-    from megabase.core.locks import holding
-
-    from .workdir import ensure_windows, open_store, run_dir
 
     started = time.perf_counter()
     check_init_from(cfg)
@@ -139,18 +139,7 @@ def fit_plan(plan: RunPlan, progress: bool = True, started: float | None = None)
     from lightning.pytorch.callbacks import TQDMProgressBar
     from lightning.pytorch.utilities import rank_zero_only
 
-    from megabase.data import WindowDataset
-    from megabase.pipeline.tracking import (
-        experiment_id, quiet_libraries, resolve_tracking_uri, retry_locked,
-    )
-    from megabase.model import build_model, load_checkpoint
 
-    from megabase.model.checkpoint import latest_checkpoint, resolve_checkpoint
-
-    from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint
-    from .distributed import trainer_kwargs
-    from .lit import LitLM, LogProgress, StepLog
-    from .workdir import relocate_artifacts
 
     started = time.perf_counter() if started is None else started
     cfg, out, store, bed = plan.cfg, plan.out, plan.store, plan.windows

@@ -23,8 +23,9 @@ import traceback
 
 import torch
 
-from megabase.data import InputError
 from megabase.core.errors import TrainingError
+from megabase.data import InputError
+from megabase.infer.common import load_model
 
 from . import transport
 from .config import RLConfig
@@ -88,8 +89,6 @@ def threads_for(cfg: RLConfig) -> int:
 def generator_main(cfg: RLConfig, checkpoint: str, address: str | None = None) -> None:
     """Rank 1: generate until the trainer says stop; a failure goes to the trainer as one
     message (it reports it), then ``BYE``."""
-    from megabase.infer.common import load_model
-
     transport.connect(1, address)
     link = Link(peer=0)
     try:

@@ -22,9 +22,15 @@ import numpy as np
 import torch
 
 from megabase.core.atomic import write_atomic
+from megabase.core.locks import READERS, holding
 from megabase.core.vocab import detokenize, gc_fraction
 from megabase.data import InputError
 from megabase.data.fasta import write_fasta
+from megabase.data.progress import progress as progress_bar
+from megabase.infer.common import check_output_dir, load_model
+from megabase.model.checkpoint import (CONFIG, WEIGHTS, read_checkpoint_config, resolve_checkpoint,
+                                       save_checkpoint)
+from megabase.pipeline.tracking import open_run
 
 from .config import RLConfig
 from .generator import Scorer, SyncGenerator
@@ -32,6 +38,7 @@ from .remote import AsyncGenerator, generator_main, threads_for
 from .reward import diversity
 from .rollout import Prompts, Rollout, Staleness
 from .trainer import Trainer
+
 
 LN2 = math.log(2.0)
 FILES = ("metrics.jsonl", "summary.json", "samples.fa")
@@ -76,9 +83,6 @@ def rl(cfg: RLConfig, progress: bool = True) -> RLResult | None:
     returns the result, rank 1 generates and returns None. ``cfg.out`` has one job at a time
     (a second is refused, naming the first's pid), and its ``checkpoint/`` is replaced only
     when ``megabase rl`` wrote it."""
-    from megabase.core.locks import holding
-    from megabase.infer.common import check_output_dir
-    from megabase.model.checkpoint import resolve_checkpoint
 
     started = time.perf_counter()
     launched = "WORLD_SIZE" in os.environ  # torchrun and the like: this process is one rank
@@ -101,8 +105,6 @@ def check_checkpoint_folder(path: Path) -> None:
     """``out/checkpoint`` is replaced whole when the job ends: refuse before any work when it
     is there and is not a checkpoint ``megabase rl`` wrote (a folder of the user's, a run's
     checkpoint, one with files added)."""
-    from megabase.core.locks import READERS
-    from megabase.model.checkpoint import CONFIG, WEIGHTS, read_checkpoint_config
 
     if not path.exists() and not path.is_symlink():
         return
@@ -125,10 +127,6 @@ def check_checkpoint_folder(path: Path) -> None:
 def _rl(cfg: RLConfig, checkpoint: str, out: Path, progress: bool,
         started: float) -> RLResult:
     """The trainer's side of :func:`rl`, with ``out`` locked."""
-    from megabase.data.progress import progress as progress_bar
-    from megabase.pipeline.tracking import open_run
-    from megabase.infer.common import load_model
-    from megabase.model.checkpoint import save_checkpoint
 
     model = load_model(checkpoint)
     prompts = Prompts(cfg)  # bad prompts: refused here, before a process starts

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megabase.model.presets import PRESETS, get_preset
+
 
 def _preset_of(cfg) -> str:
-    from megabase.model.presets import PRESETS, get_preset
-
     mine = cfg.model_dict()
     for name in PRESETS:
         if get_preset(name).model_dict() == mine:

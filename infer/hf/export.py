@@ -24,7 +24,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megabase.core.atomic import building_dir, file_sha256, naming
+from megabase.core.locks import holding
 from megabase.data import InputError
+from megabase.model import parameter_counts, read_checkpoint_config
+from megabase.model.checkpoint import WEIGHTS, resolve_checkpoint, save_safetensors, weights_sha256
+
+from ..common import load_model
+from .card import model_card
+from .vendor import sources, sources_module
+
 
 TEMPLATE = Path(__file__).with_name("template")
 MARKER = "megabase_export.json"
@@ -87,8 +96,6 @@ def _install_over(tmp: Path, out: Path) -> None:
     if not out.exists() or not any(out.iterdir()):
         os.replace(tmp, out)
         return
-    from megabase.core.atomic import file_sha256
-
     recorded = _recorded_files(out)
     new = json.loads((tmp / MARKER).read_text())["files"]
     ours = set(OWN) if recorded is None else set(recorded)
@@ -119,8 +126,6 @@ def _scored_this(report: dict, checkpoint: Path) -> tuple[bool, str]:
     folder still matches and another checkpoint written to the same path does not. A report
     from before that field is matched by the checkpoint it names: the same folder, or one
     whose weights are the same."""
-    from megabase.model.checkpoint import WEIGHTS, weights_sha256
-
     mine = weights_sha256(checkpoint)
     scored = report.get("checkpoint")
     recorded = report.get("checkpoint_sha256")
@@ -210,15 +215,7 @@ def export_model(checkpoint: str | Path, out: str | Path,
     """Write the Hugging Face folder ``out`` for ``checkpoint`` (a checkpoint or a run folder);
     ``report``: the evaluation report the model card quotes, which must be of this checkpoint
     (default: the run's own report of this checkpoint, if any)."""
-    from megabase.core.atomic import building_dir, file_sha256, naming
-    from megabase.core.locks import holding
-    from megabase.model import parameter_counts, read_checkpoint_config
-    from megabase.model.checkpoint import save_safetensors
-    from megabase.model.checkpoint import resolve_checkpoint
 
-    from ..common import load_model
-    from .card import model_card
-    from .vendor import sources, sources_module
 
     started = time.perf_counter()
     out = check_export_dir(Path(out))
