@@ -69,10 +69,5 @@ class Context:
         return replace(self, state=state, tokens=tokens, seeds=seeds, experts=experts,
                        selections=selections)
 
-    @property
-    def streaming(self) -> bool:
-        """Whether this call continues a carried state (a piece of a streamed sequence)."""
-        return self.state is not None
-
 
 DEFAULT = Context()

@@ -169,7 +169,8 @@ class HybridLM(nn.Module):
         loads, used, own, kls = [], [], [], []
         for i, block in enumerate(self.blocks):
             layer_ctx = ctx.layer(None if state is None else state[i], input_ids, seeds,
-                                  moe_index=len(loads), dsa_index=len(kls))
+                                  moe_index=len(loads) if isinstance(block.ffn, MoE) else None,
+                                  dsa_index=len(kls) if block.kind == "dsa" else None)
             x, block_aux, report = block(x, layer_ctx)
             aux = aux + block_aux
             if report["load"] is not None:

@@ -29,10 +29,9 @@ def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature:
         logits = model(inputs).logits
         flips, routed = 0.0, torch.zeros(tokens.shape[0], L, dtype=torch.bool)
     else:
-        T = inputs.shape[1]
-        out = model(inputs, ctx=replay_context(model, routing, T, force))
-        recorded = [r[:, :T] for r in routing]
-        flips, differs = routing_flips(recorded, out.router_choice)
+        ctx = replay_context(model, routing, inputs.shape[1], force)
+        out = model(inputs, ctx=ctx)
+        flips, differs = routing_flips(ctx.replay, out.router_choice)
         routed = differs[:, prompt_len - 1 :]
         logits = out.logits
     logp = torch.log_softmax(logits[:, prompt_len - 1 :].float() / temperature, -1)

@@ -57,10 +57,8 @@ def _imported(module: str, path: Path) -> set[str]:
             if base != "megabase" and not base.startswith("megabase."):
                 continue
             found.add(base)
-            for a in node.names:  # ``from package import submodule``
-                if importlib.util.find_spec(base) is not None and \
-                        _is_module(f"{base}.{a.name}"):
-                    found.add(f"{base}.{a.name}")
+            found |= {f"{base}.{a.name}" for a in node.names  # ``from package import submodule``
+                      if _is_module(f"{base}.{a.name}")}
     return found
 
 

@@ -205,3 +205,20 @@ def test_dense_baseline_streams_like_its_full_pass_and_trains(real_tokens):
     out.loss.backward()
     assert out.expert_load.shape == (0, 4)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_context_reaches_the_layers_it_names_whatever_follows_them(real_tokens):
+    """Capture and replay rows go to the DSA and MoE layers in order: a KDA layer after the last
+    DSA layer (45-layer glm5-flash ends so) and a dense layer take none."""
+    from megabase.model.dsa import capture_selections
+
+    torch.manual_seed(0)
+    model = build_model("debug", n_layers=5, dense_layers=1).eval()
+    assert model.cfg.layer_kinds == "KKKDK"
+    x = real_tokens[:, :300]
+    caps = capture_selections(model, 100, 200)
+    with torch.no_grad():
+        out = model(x, ctx=model.context(capture=caps))
+        replayed = model(x, ctx=model.context(replay=out.routing))
+    assert len(caps) == 1 and caps[0].seen.all()
+    assert len(out.routing) == 4 and torch.equal(replayed.logits, out.logits)
