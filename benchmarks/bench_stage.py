@@ -121,7 +121,7 @@ def bench_kernel(preset: str, queries: int = 2_048) -> list[dict]:
     from megabase.kernels.dsa import dsa_indexer
     from megabase.model import get_preset
 
-    cfg = get_preset(preset, dsa_stage_from=0)  # the stage on every query, even at 65,536
+    cfg = get_preset(preset, dsa_stage={"start": 0})  # the stage on every query, even at 65,536
     stage = cfg.stage()
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -211,7 +211,7 @@ def bench_quality(checkpoint: str, data: str, region: str, windows: int,
     from megabase.model.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
-    staged_model = load_checkpoint(ckpt, dsa_stage_from=0).eval()
+    staged_model = load_checkpoint(ckpt, dsa_stage={"start": 0}).eval()
     exact_model = load_checkpoint(ckpt, dsa_stage="exact").eval()
     stage = staged_model.cfg.stage()
     store = TokenStore(data)

@@ -126,7 +126,7 @@ def score(checkpoint: str | Path, data: str | Path, regions: list[str], out: str
                    "checkpoint_sha256": weights_sha256(ckpt),
                    "data": str(store.path.resolve()), "regions": [iv.spec for iv in intervals],
                    "context": context, "entropy": entropy, "formats": list(formats),
-                   "dsa_stage": dsa_stage or model.cfg.dsa_stage}
+                   "dsa_stage": model.cfg.dsa_stage.summary}
             files = _write_tracks(out, store, tracks, entropy, formats, run)
     return ScoreResult(tracks, files, time.perf_counter() - started, peak_rss_bytes())
 

@@ -149,9 +149,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runt
     """The model saved at ``path``, in eval mode, on ``device``; ``runtime``: kernels and chunk
     sizes for this machine (``RUNTIME_FIELDS``, default ``auto`` / the ModelConfig defaults;
     older checkpoints that recorded them have them ignored), and the DSA indexer's candidate
-    stage (``STAGE_FIELDS``: the checkpoint's own unless given; a checkpoint from before the
-    stage existed gets the ModelConfig defaults, which select as it did up to
-    ``dsa_stage_from``)."""
+    stage (``dsa_stage``: the checkpoint's own, with the fields given changed, e.g.
+    ``dsa_stage="exact"`` or ``dsa_stage={"start": 0}``; a checkpoint from before the stage
+    existed gets the defaults, which select as it did up to ``Stage.start``)."""
     from safetensors.torch import load_file
 
     allowed = RUNTIME_FIELDS + STAGE_FIELDS
@@ -161,7 +161,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runt
     config = read_checkpoint_config(path)
     verify_checkpoint(path)
     fields = {k: v for k, v in config["model"].items() if k not in RUNTIME_FIELDS}
-    model = HybridLM(ModelConfig.from_dict({**fields, **runtime}))
+    model = HybridLM(ModelConfig.from_dict(fields, runtime))
     state = load_file(str(Path(path) / WEIGHTS), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from megabase.core.errors import InputError
 from megabase.core.vocab import VOCAB_SIZE
 from megabase.kernels.dsa import BACKENDS as DSA_BACKENDS
-from megabase.kernels.dsa.stage import Stage
+from megabase.kernels.dsa.stage import MODES as STAGES, Stage
 from megabase.kernels.kda import ALIASES as KDA_ALIASES, BACKENDS as KDA_BACKENDS
 
 
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
 RUNTIME_FIELDS = ("kda_backend", "dsa_backend", "moe_chunk", "loss_chunk", "dsa_block")
-# How the DSA indexer chooses its candidates (megabase.kernels.dsa.stage): saved with the
-# model, and a loader may choose otherwise (the exact scan as the reference, or another stage).
-STAGE_FIELDS = ("dsa_stage", "dsa_stage_from", "dsa_stage_block", "dsa_stage_blocks",
-                "dsa_stage_local", "dsa_stage_seed", "dsa_stage_seed_cap", "dsa_stage_carry")
-STAGES = ("exact", "mean", "max")
+# The flat names the DSA candidate stage's fields had before it became one sub-config
+# (``dsa_stage``, a Stage): config.json files and YAML overrides written then still read.
+LEGACY_STAGE = {"dsa_stage_from": "start", "dsa_stage_block": "block",
+                "dsa_stage_blocks": "blocks", "dsa_stage_local": "local",
+                "dsa_stage_seed": "seed", "dsa_stage_seed_cap": "seed_cap",
+                "dsa_stage_carry": "carry"}
+# How the DSA indexer chooses its candidates: saved with the model, and a loader may choose
+# otherwise (the exact scan as the reference, or another stage).
+STAGE_FIELDS = ("dsa_stage", *LEGACY_STAGE)
 
 
 @dataclass
@@ -57,18 +61,10 @@ class ModelConfig:
     dsa_kmer: int = 0  # DSA queries/keys/indexer also hash the last dsa_kmer tokens (0: none)
     rope_base: float = 500000.0  # rotary base of the attention mixer (DSA layers use no positions)
     indexer_mode: str = "sparse"
-    # The indexer's candidate stage: from position dsa_stage_from on, a query scores only the
-    # local window (>= dsa_stage_local latest keys), the dsa_stage_blocks best blocks of
-    # dsa_stage_block keys by their summary (mean: HISA; max: Quest bounds) and the keys after
-    # earlier copies of its last dsa_stage_seed bases; exact: every earlier key (the reference)
-    dsa_stage: str = "max"
-    dsa_stage_from: int = 65536
-    dsa_stage_block: int = 128
-    dsa_stage_blocks: int = 64
-    dsa_stage_local: int = 1024
-    dsa_stage_seed: int = 16
-    dsa_stage_seed_cap: int = 16
-    dsa_stage_carry: int = 32
+    # The indexer's candidate stage (megabase.kernels.dsa.stage.Stage): from position start on,
+    # a query scores only its local window, the best blocks by their summary and the keys after
+    # earlier copies of its last bases; summary "exact": every earlier key (the reference)
+    dsa_stage: Stage = field(default_factory=Stage)
     indexer_loss_weight: float = 0.01
     # Mixture of Experts
     n_experts: int = 4
@@ -102,15 +98,13 @@ class ModelConfig:
         positive = ["d_model", "n_layers", "vocab_size", "kda_heads", "kda_head_dim", "kda_conv",
                     "kda_gate_rank", "dsa_heads", "dsa_kv_heads", "dsa_head_dim", "index_heads",
                     "index_dim", "topk", "n_experts", "experts_per_token", "expert_dim",
-                    "moe_chunk", "loss_chunk", "dsa_block", "dense_dim", "dsa_stage_block",
-                    "dsa_stage_blocks", "dsa_stage_local"]
+                    "moe_chunk", "loss_chunk", "dsa_block", "dense_dim"]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model.{name} must be a positive integer, got {value!r}")
         for name in ("dsa_period", "dense_layers", "keep_recent", "shared_expert_dim", "dsa_kmer",
-                     "kmer_embed", "dsa_stage_from", "dsa_stage_seed", "dsa_stage_seed_cap",
-                     "dsa_stage_carry"):
+                     "kmer_embed"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.kmer_embed == 1 or self.kmer_embed > 10:
@@ -138,7 +132,6 @@ class ModelConfig:
         # "torch", the reference's old name, is still in configs saved before the rename
         self.kda_backend = KDA_ALIASES.get(self.kda_backend, self.kda_backend)
         choices = {"indexer_mode": ("sparse", "dense"), "kda_backend": KDA_BACKENDS,
-                   "dsa_stage": STAGES,
                    "dsa_backend": DSA_BACKENDS,
                    "bias_update": ("quantile", "sign", "proportional"), "mixer": ("hybrid", "attention")}
         for name, allowed in choices.items():
@@ -146,23 +139,15 @@ class ModelConfig:
                 raise InputError(f"model.{name} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
 
-        if self.dsa_stage != "exact":
-            try:
-                self.stage()
-            except ValueError as exc:
-                raise InputError(f"model.dsa_stage_*: {exc}") from None
-            if self.keep_recent > self.dsa_stage_local:
-                raise InputError(f"model.keep_recent ({self.keep_recent}) must not exceed "
-                                 f"model.dsa_stage_local ({self.dsa_stage_local})")
+        if not isinstance(self.dsa_stage, Stage):
+            self.dsa_stage = _stage(self.dsa_stage)
+        if not self.dsa_stage.exact and self.keep_recent > self.dsa_stage.local:
+            raise InputError(f"model.keep_recent ({self.keep_recent}) must not exceed "
+                             f"model.dsa_stage.local ({self.dsa_stage.local})")
 
-    def stage(self):
-        """The DSA indexer's candidate stage (:class:`megabase.kernels.dsa.Stage`), or None for
-        the exact scan."""
-        if self.dsa_stage == "exact":
-            return None
-        return Stage(self.dsa_stage, self.dsa_stage_from, self.dsa_stage_block,
-                     self.dsa_stage_blocks, self.dsa_stage_local, self.dsa_stage_seed,
-                     self.dsa_stage_seed_cap, self.dsa_stage_carry)
+    def stage(self) -> Stage | None:
+        """The DSA indexer's candidate stage as the kernels take it: None for the exact scan."""
+        return None if self.dsa_stage.exact else self.dsa_stage
 
     def is_dsa(self, layer: int) -> bool:
         return self.mixer == "hybrid" and self.dsa_period > 0 and \
@@ -190,14 +175,59 @@ class ModelConfig:
         return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
-        """Build from a dict; an unknown key is an error that names the valid keys."""
+    def from_dict(cls, data: dict, overrides: dict | None = None) -> "ModelConfig":
+        """Build from a dict (``to_dict``'s shape) and ``overrides`` of some of its fields; an
+        unknown key is an error that names the valid keys. ``dsa_stage`` may be a Stage, a
+        mapping of some of its fields (an override changes only those: ``{"start": 0}``) or
+        a summary (``"exact"``); the stage's flat names of before (``dsa_stage_from``, ...)
+        still read."""
+        merged = _flat_stage(data)
+        for key, value in _flat_stage(overrides or {}).items():
+            if key == "dsa_stage" and "dsa_stage" in merged:
+                value = {**merged["dsa_stage"], **value}
+            merged[key] = value
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(merged) - known)
         if unknown:
             raise InputError(f"unknown model config key {unknown[0]!r}; valid keys: "
                              f"{', '.join(sorted(known))}")
-        return cls(**data)
+        return cls(**merged)
 
     def replace(self, **overrides) -> "ModelConfig":
-        return ModelConfig.from_dict({**self.to_dict(), **overrides})
+        return ModelConfig.from_dict(self.to_dict(), overrides)
+
+
+def _stage_fields(value) -> dict:
+    """``dsa_stage`` given as a Stage, a mapping of its fields or a summary, as a mapping."""
+    if isinstance(value, Stage):
+        return dataclasses.asdict(value)
+    if isinstance(value, str):
+        return {"summary": value}
+    if isinstance(value, dict):
+        return dict(value)
+    raise InputError(f"model.dsa_stage must be a mapping of the candidate stage's fields or one "
+                     f"of {', '.join(STAGES)}, got {value!r}")
+
+
+def _flat_stage(data: dict) -> dict:
+    """``data`` with the stage as one mapping under ``dsa_stage`` (read from its legacy flat keys
+    too), when it gives any of it."""
+    data = dict(data)
+    given = {LEGACY_STAGE[key]: data.pop(key) for key in list(data) if key in LEGACY_STAGE}
+    if "dsa_stage" in data or given:
+        data["dsa_stage"] = {**_stage_fields(data.get("dsa_stage", {})), **given}
+    return data
+
+
+def _stage(value) -> Stage:
+    """The Stage ``value`` describes (see :func:`_stage_fields`); a bad field is one line."""
+    values = _stage_fields(value)
+    names = [f.name for f in fields(Stage)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise InputError(f"unknown model.dsa_stage key {unknown[0]!r}; valid keys: "
+                         f"{', '.join(names)}")
+    try:
+        return Stage(**values)
+    except ValueError as exc:
+        raise InputError(f"model.dsa_stage.{exc}") from None

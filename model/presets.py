@@ -56,7 +56,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """The named preset's config, with field overrides. Unknown names and fields are clear errors."""
     if name not in PRESETS:
         raise InputError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
-    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+    return ModelConfig.from_dict(PRESETS[name], overrides)
 
 
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:

@@ -284,7 +284,7 @@ def _set(tree: dict, assignment: str) -> None:
             raise InputError(f"--set {assignment!r}: {part!r} is not a section")
         node = child
     source = f"--set {key.strip()}"
-    if parts[-1] == "overrides" or (len(parts) >= 3 and parts[-2] == "overrides"):
+    if "overrides" in parts[1:]:
         value = _yaml(value, source)  # model fields: YAML scalars too (ints, floats, bools)
     else:
         value = parse_value(value, source)
@@ -447,7 +447,7 @@ def _check_init(cfg: RunConfig, source: str) -> None:
     if changed:
         raise InputError(f"model.overrides.{changed[0]} would change the model that "
                          "train.init_from holds; with init_from only kernels, chunk sizes and the "
-                         "DSA candidate stage (dsa_stage*) may be set", source)
+                         "DSA candidate stage (dsa_stage) may be set", source)
 
 
 def check_init_from(cfg: RunConfig) -> None:
@@ -541,7 +541,7 @@ def model_config(cfg: RunConfig):
         return get_preset(cfg.model.preset, **cfg.model.overrides)
     saved = read_checkpoint_config(resolve_checkpoint(cfg.train.init_from))["model"]
     fields = {k: v for k, v in saved.items() if k not in RUNTIME_FIELDS}
-    return ModelConfig.from_dict({**fields, **cfg.model.overrides})
+    return ModelConfig.from_dict(fields, cfg.model.overrides)
 
 
 def flat_params(cfg: RunConfig) -> dict[str, str]:
@@ -556,6 +556,5 @@ def flat_params(cfg: RunConfig) -> dict[str, str]:
             out[prefix] = str(node)[:500]
 
     walk("", cfg.to_dict())
-    for k, v in model_config(cfg).to_dict().items():
-        out[f"model.config.{k}"] = str(v)
+    walk("model.config", model_config(cfg).to_dict())  # the stage as model.config.dsa_stage.start, ...
     return out

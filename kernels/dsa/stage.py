@@ -12,60 +12,70 @@ pieces: streaming, decoding and context parallelism select what the full pass se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 import torch
 
 SUMMARIES = ("mean", "max")
+MODES = ("exact",) + SUMMARIES  # exact: no candidate stage, every earlier key is scored
 VW = 16  # the C kernel scores keys in vectors of VW: a block is a whole number of them
 
 
 @dataclass(frozen=True)
 class Stage:
-    """Where the candidate stage applies and what it keeps (the defaults live in one place,
-    ``ModelConfig``'s ``dsa_stage*`` fields: ``ModelConfig().stage()``).
+    """The DSA indexer's candidate stage: ``ModelConfig.dsa_stage``, saved with a model (a loader
+    may choose another), and the argument of every backend's staged indexer.
 
-    ``summary``: ``mean`` (HISA: the mean key) or ``max`` (Quest: per-channel max and min, which
-    bound every key's index score in a block); ``start``: the first query position it may apply
-    to; ``block``: keys per block (a multiple of 16); ``blocks``: blocks kept per query;
-    ``local``: the least number of latest keys always kept; ``seed``: seed length in bases (0: no
-    seeds), ``seed_cap``: earlier occurrences followed per seed and strand (the most recent),
-    ``carry``: positions a diagonal is followed after its last seed hit.
+    ``summary``: ``max`` (Quest: per-channel max and min, which bound every key's index score in a
+    block, the default), ``mean`` (HISA: the mean key) or ``exact`` (no stage: every earlier key,
+    the reference; a model's ``cfg.stage()`` is then None and the other fields are unused);
+    ``start``: the first query position it may apply to (65,536); ``block``: keys per block, a
+    multiple of 16 (128); ``blocks``: blocks kept per query (64); ``local``: the least number of
+    latest keys always kept (1,024); ``seed``: seed length in bases, 0 for no seeds (16);
+    ``seed_cap``: earlier occurrences followed per seed and strand, the most recent (16);
+    ``carry``: positions a diagonal is followed after its last seed hit (32).
     """
 
-    summary: str
-    start: int
-    block: int
-    blocks: int
-    local: int
-    seed: int
-    seed_cap: int
-    carry: int
+    summary: str = "max"
+    start: int = 65536
+    block: int = 128
+    blocks: int = 64
+    local: int = 1024
+    seed: int = 16
+    seed_cap: int = 16
+    carry: int = 32
 
     def __post_init__(self) -> None:
-        if self.summary not in SUMMARIES:
-            raise ValueError(f"candidate summary must be one of {', '.join(SUMMARIES)}, got "
-                             f"{self.summary!r}")
+        if self.summary not in MODES:
+            raise ValueError(f"summary must be one of {', '.join(MODES)}, got {self.summary!r}")
+        for f in fields(self)[1:]:
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
         if self.block < VW or self.block % VW:
-            raise ValueError(f"candidate block must be a positive multiple of {VW}, got {self.block}")
+            raise ValueError(f"block must be a positive multiple of {VW}, got {self.block}")
         for name in ("blocks", "local"):
             if getattr(self, name) < 1:
-                raise ValueError(f"candidate {name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.seed <= 16 or self.seed in (1, 2, 3):
-            raise ValueError(f"seed length must be 0 (none) or 4..16 bases, got {self.seed}")
+            raise ValueError(f"seed must be a seed length of 0 (none) or 4..16 bases, got "
+                             f"{self.seed}")
         for name in ("start", "seed_cap", "carry"):
             if getattr(self, name) < 0:
-                raise ValueError(f"candidate {name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def exact(self) -> bool:
+        return self.summary == "exact"
 
     def encode(self) -> list[int]:
         """The stage as integers (a registered op's argument); :meth:`decode` inverts it."""
-        return [SUMMARIES.index(self.summary), self.start, self.block, self.blocks, self.local,
-                self.seed, self.seed_cap, self.carry]
+        return [MODES.index(self.summary), *astuple(self)[1:]]
 
     @classmethod
     def decode(cls, values: list[int]) -> "Stage":
         summary, *rest = values
-        return cls(SUMMARIES[summary], *rest)
+        return cls(MODES[summary], *rest)
 
     @property
     def rows(self) -> int:

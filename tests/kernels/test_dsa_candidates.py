@@ -32,7 +32,7 @@ def same_seeds(a, b) -> bool:
 
 def make_stage(**fields) -> Stage:
     """The model's default stage with ``fields`` changed."""
-    return dataclasses.replace(ModelConfig().stage(), **fields)
+    return dataclasses.replace(ModelConfig().dsa_stage, **fields)
 
 
 def stage_of(block, blocks, local, **kw):
@@ -180,5 +180,4 @@ def test_seed_cap_keeps_the_most_recent_occurrences():
 
 
 # A model config whose DSA layers stage from the start at test lengths (first staged query: 143)
-STAGED_MODEL = dict(dsa_stage="max", dsa_stage_from=0, dsa_stage_block=16, dsa_stage_blocks=4,
-                    dsa_stage_local=64, dsa_stage_seed=8)
+STAGED_MODEL = dict(dsa_stage=dict(summary="max", start=0, block=16, blocks=4, local=64, seed=8))

@@ -61,6 +61,30 @@ def test_a_checkpoint_holds_the_model_and_the_loader_picks_the_kernels(tmp_path,
     torch.testing.assert_close(log_probs(old, x), log_probs(loaded, x), atol=0, rtol=0)
 
 
+def test_the_checkpoints_dsa_stage_loads_as_saved_or_with_the_fields_chosen(tmp_path, real_tokens):
+    from megabase.kernels.dsa import Stage
+
+    torch.manual_seed(0)
+    trained = build_model("debug", dsa_stage={"start": 0, "block": 16, "blocks": 4, "local": 64})
+    path = save_checkpoint(trained, tmp_path / "c")
+    assert load_checkpoint(path).cfg.dsa_stage == trained.cfg.dsa_stage
+    # a loader changes only the fields it names
+    assert load_checkpoint(path, dsa_stage={"start": 4096}).cfg.dsa_stage == \
+        Stage(start=4096, block=16, blocks=4, local=64)
+    assert load_checkpoint(path, dsa_stage="exact").cfg.stage() is None
+    # written before the stage was one sub-config: its flat fields read as the same stage
+    config = json.loads((path / "config.json").read_text())
+    del config["config_sha256"]
+    stage = config["model"].pop("dsa_stage")
+    config["model"].update(dsa_stage=stage.pop("summary"),
+                           **{f"dsa_stage_{'from' if k == 'start' else k}": v for k, v in stage.items()})
+    (path / "config.json").write_text(json.dumps(config))
+    old = load_checkpoint(path)
+    assert old.cfg.dsa_stage == trained.cfg.dsa_stage
+    x = real_tokens[:, :700]
+    torch.testing.assert_close(log_probs(old, x), log_probs(trained.eval(), x), atol=0, rtol=0)
+
+
 def _edit_config(path, **model_fields):
     """Change model fields in a checkpoint's config.json by hand, its recorded checksum kept."""
     config = json.loads((path / "config.json").read_text())

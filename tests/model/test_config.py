@@ -45,3 +45,38 @@ def test_unknown_preset_and_field_are_clear_errors():
         ModelConfig(indexer_mode="warm")
     with pytest.raises(InputError, match="multiple of"):
         ModelConfig(dsa_heads=3, dsa_kv_heads=2)
+
+
+def test_the_dsa_stage_is_one_sub_config_that_overrides_merge_into():
+    from megabase.kernels.dsa import Stage
+
+    cfg = get_preset("debug")
+    assert cfg.dsa_stage == Stage() and cfg.stage() is cfg.dsa_stage
+    assert cfg.to_dict()["dsa_stage"] == {"summary": "max", "start": 65536, "block": 128,
+                                          "blocks": 64, "local": 1024, "seed": 16,
+                                          "seed_cap": 16, "carry": 32}
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    # an override changes only the stage fields it names; a summary alone is a shorthand
+    tuned = get_preset("debug", dsa_stage={"start": 0, "block": 32})
+    assert (tuned.dsa_stage.start, tuned.dsa_stage.block, tuned.dsa_stage.local) == (0, 32, 1024)
+    exact = tuned.replace(dsa_stage="exact")
+    assert exact.stage() is None and exact.dsa_stage.block == 32
+    assert Stage.decode(tuned.dsa_stage.encode()) == tuned.dsa_stage
+    # the flat names of before (config.json files and YAML overrides written then) still read
+    old = {"dsa_stage": "mean", "dsa_stage_from": 0, "dsa_stage_block": 32, "dsa_stage_seed": 0}
+    assert ModelConfig.from_dict(old).dsa_stage == Stage("mean", start=0, block=32, seed=0)
+    assert get_preset("debug", dsa_stage_local=64).dsa_stage.local == 64
+
+
+@pytest.mark.parametrize("stage, message", [
+    ({"blok": 16}, "unknown model.dsa_stage key 'blok'; valid keys: summary, start, block"),
+    ({"block": 20}, "model.dsa_stage.block must be a positive multiple of 16, got 20"),
+    ("fast", "model.dsa_stage.summary must be one of exact, mean, max, got 'fast'"),
+    ({"start": "0"}, "model.dsa_stage.start must be an integer, got '0'"),
+    ({"seed": 2}, "model.dsa_stage.seed must be a seed length of 0 \\(none\\) or 4..16 bases, got 2"),
+    ({"local": 8}, "model.keep_recent \\(16\\) must not exceed model.dsa_stage.local \\(8\\)"),
+    (7, "model.dsa_stage must be a mapping of the candidate stage's fields or one of exact"),
+])
+def test_a_bad_dsa_stage_is_one_line_naming_the_field(stage, message):
+    with pytest.raises(InputError, match=message):
+        get_preset("debug", keep_recent=16, dsa_stage=stage)

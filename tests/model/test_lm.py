@@ -104,7 +104,8 @@ def test_with_the_candidate_stage_streaming_equals_the_full_pass_and_seeds_find_
     assert float((full - streamed).abs().max()) <= 1e-4
     exact = _hit_rate({}, x, 15_020, 15_200, 12_000)
     staged = _hit_rate(STAGED_MODEL, x, 15_020, 15_200, 12_000)
-    blind = _hit_rate({**STAGED_MODEL, "dsa_stage_seed": 0}, x, 15_020, 15_200, 12_000)
+    blind = _hit_rate({"dsa_stage": {**STAGED_MODEL["dsa_stage"], "seed": 0}}, x, 15_020, 15_200,
+                      12_000)
     # the seeds hand the indexer the first copy, with fewer distractors than the exact scan has;
     # without them, 4 blocks of 16 keys rarely hold it
     assert staged >= max(exact, 0.8) and blind < staged - 0.3, (staged, exact, blind)

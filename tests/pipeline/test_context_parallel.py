@@ -27,8 +27,8 @@ STACKS = {  # debug preset: 4 layers of d_model 32, MoE FFNs, DSA top-k 32
     "hybrid": {},
     "hybrid+balance": {"seq_aux_weight": 0.01},  # the MoE sequence-wise loss needs global counts
     # the DSA candidate stage from the start: its seeds read every earlier rank's tokens
-    "hybrid+stage": {"dsa_stage": "max", "dsa_stage_from": 0, "dsa_stage_block": 32,
-                     "dsa_stage_blocks": 8, "dsa_stage_local": 256, "dsa_stage_seed": 12},
+    "hybrid+stage": {"dsa_stage": {"summary": "max", "start": 0, "block": 32, "blocks": 8,
+                                   "local": 256, "seed": 12}},
 }
 
 

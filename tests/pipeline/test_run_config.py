@@ -30,6 +30,12 @@ def test_sets_are_converted_and_validated():
     assert cfg.model.overrides == {"topk": 16, "bias_update_rate": 0.001} and cfg.name == "x"
     text = dump_config(cfg)
     assert "lr: 0.001" in text and flat_params(cfg)["model.config.topk"] == "16"
+    # the DSA stage is one sub-config: a --set names a field of it, and MLflow gets each field
+    cfg = load_config(None, ["model.overrides.dsa_stage.start=0", "model.overrides.dsa_stage.summary=mean"])
+    assert cfg.model.overrides == {"dsa_stage": {"start": 0, "summary": "mean"}}
+    params = flat_params(cfg)
+    assert (params["model.config.dsa_stage.start"], params["model.config.dsa_stage.summary"],
+            params["model.config.dsa_stage.block"]) == ("0", "mean", "128")
 
 
 def test_set_takes_the_yaml_of_the_config_files_and_commas_alike():
@@ -76,6 +82,8 @@ def test_one_home_for_every_default_and_choice():
     (["model.overrides.bias_update_rate=2"], "model.bias_update_rate must be >= 0 (and <= 1"),
     (["model.overrides.bias_update_rate=fast"], "model.bias_update_rate must be a float, got 'fast'"),
     (["model.overrides.n_experts=2.5"], "model.n_experts must be an int, got 2.5"),
+    (["model.overrides.dsa_stage.block=20"], "model.dsa_stage.block must be a positive multiple"),
+    (["model.overrides.dsa_stage.blok=16"], "unknown model.dsa_stage key 'blok'"),
     (["eval.bootstrap=0"], "eval.bootstrap must be a positive integer, got 0"),
     (["eval.edges=[0, 100, 50]"], "eval.edges must be integers that start at 0"),
     (["eval.controls=[1000"], "not valid YAML"),

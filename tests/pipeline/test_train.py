@@ -54,15 +54,15 @@ def test_init_from_fine_tunes_a_checkpoint_and_refuses_a_changed_model(bundled_s
 
     assert main(["train", *tiny(tmp_path, bundled_store, 4, name="base"), "--quiet"]) == 0
     base = tmp_path / "runs" / "base"
-    stage = {"model.overrides.dsa_stage_from": "0", "model.overrides.dsa_stage_block": "16",
-             "model.overrides.dsa_stage_blocks": "4", "model.overrides.dsa_stage_local": "64"}
+    stage = {"model.overrides.dsa_stage.start": "0", "model.overrides.dsa_stage.block": "16",
+             "model.overrides.dsa_stage.blocks": "4", "model.overrides.dsa_stage.local": "64"}
     args = tiny(tmp_path, bundled_store, 2, name="long", **{"train.init_from": str(base),
                                                            "data.window_length": "4096", **stage})
     assert main(["train", *args, "--quiet"]) == 0
     tuned = tmp_path / "runs" / "long" / "checkpoints" / "step-000002"
     config = read_checkpoint_config(tuned)
     assert config["init_from"] == str((base / "checkpoints" / "step-000004").resolve())
-    assert config["model"]["dsa_stage_from"] == 0 and config["model"]["d_model"] == 32
+    assert config["model"]["dsa_stage"]["start"] == 0 and config["model"]["d_model"] == 32
     first = read_train_log(tmp_path / "runs" / "long")[1]["loss"]
     assert first < read_train_log(base)[1]["loss"]  # it started from the trained weights
     assert load_file(str(tuned / "model.safetensors")).keys() == \
