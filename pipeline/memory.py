@@ -47,10 +47,11 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 class Recomputed:
     """Activation recompute of a block or mixer: its backward reruns its forward. Calls without
-    autograd or with a streaming state (the second argument) run plainly."""
+    autograd or with a streaming state (in the call's context, the second argument) run plainly."""
 
     def forward(self, *args, **kwargs):
-        streaming = kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None)
+        ctx = kwargs.get("ctx", args[1] if len(args) > 1 else None)
+        streaming = ctx is not None and ctx.state is not None
         if torch.is_grad_enabled() and not streaming:
             return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_context,
                               **kwargs)

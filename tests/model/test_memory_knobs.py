@@ -83,6 +83,29 @@ def test_recompute_keeps_the_dsa_selection_instead_of_recomputing_it(real_tokens
     assert len(calls) == 1  # one DSA layer, one selection pass for forward and backward
 
 
+@pytest.mark.parametrize("mode", ["layer", "selective"])
+def test_recompute_reruns_the_wrapped_forward_in_backward_and_never_when_streaming(real_tokens,
+                                                                                  mode):
+    model = apply_recompute(build_model("debug"), mode)
+    runs = {"mixer": 0, "ffn": 0}
+    for block in model.blocks:
+        # a module inside the mixer: a recompute calls the wrapped forward itself, not the module
+        block.mixer.o_proj.register_forward_pre_hook(
+            lambda *a: runs.__setitem__("mixer", runs["mixer"] + 1))
+        block.ffn.register_forward_pre_hook(lambda *a: runs.__setitem__("ffn", runs["ffn"] + 1))
+    x = real_tokens[:, :1_001]
+    out = model(x[:, :-1], x[:, 1:])
+    assert runs == {"mixer": 4, "ffn": 4}
+    out.loss.backward()
+    # the backward reran what recompute wraps: every block (layer) or only the mixers (selective)
+    assert runs == {"mixer": 8, "ffn": 8 if mode == "layer" else 4}
+    with torch.no_grad():
+        model(x[:, :500], state=model.init_state())
+    assert runs["mixer"] == 12
+    model(x[:, :500], state=model.init_state()).logits.sum().backward()  # streaming: not wrapped
+    assert runs["mixer"] == 16
+
+
 def test_heap_trim_hooks_every_block_once():
     model = build_model("debug")
     apply_heap_trim(apply_heap_trim(model))
