@@ -14,13 +14,15 @@ Fields the caller sets, per call:
 * ``untiled``: products on the rows given, not canonical tiles (a decoding step, see layers.py);
 * ``dense_warmup``: DSA layers attend densely and train their indexer toward it (the trainer's
   warm-up steps), whatever ``indexer_mode`` says;
+* ``train_indexer``: DSA layers compute their indexer KL even without autograd (a walked training
+  window's forward, :mod:`megabase.model.walk`, reports it before its backward);
 * ``replay``: per MoE layer, the experts ``[B, T, k]`` to use instead of the router's choice (RL
   routing replay), with ``follow_replay`` False to route freely and only compare;
 * ``capture``: per DSA layer, a :class:`~megabase.model.dsa.SelectionCapture` that records the
   top-k selections of a range of queries (diagnostics: the recall probe).
 
-Fields :meth:`layer` fills in for one layer: ``state`` (its streaming state dict, or None for a
-full pass), ``tokens [B, T]`` and ``seeds [B, T, S]`` (the DSA layers' k-mer hash and candidate
+Fields :meth:`layer` fills in for one layer: ``sequence`` narrowed to it (``sequence.layer(i)``),
+``state`` (its streaming state dict, or None for a full pass), ``tokens [B, T]`` and ``seeds [B, T, S]`` (the DSA layers' k-mer hash and candidate
 stage read them), ``experts`` (its row of ``replay``) and ``selections`` (its row of ``capture``).
 """
 
@@ -42,6 +44,7 @@ class Context:
     sequence: OneProcess = ONE_PROCESS
     untiled: bool = False
     dense_warmup: bool = False
+    train_indexer: bool = False
     replay: Sequence[torch.Tensor] | None = None
     follow_replay: bool = True
     capture: Sequence[Any] | None = None
@@ -51,12 +54,12 @@ class Context:
     experts: torch.Tensor | None = None
     selections: Any = None
 
-    def layer(self, state: dict | None, tokens: torch.Tensor | None = None,
+    def layer(self, index: int, state: dict | None, tokens: torch.Tensor | None = None,
               seeds: torch.Tensor | None = None, moe_index: int | None = None,
               dsa_index: int | None = None) -> "Context":
-        """This context narrowed to one layer: its ``state``, the pass's ``tokens`` and ``seeds``,
-        and, for the ``moe_index``-th MoE layer / ``dsa_index``-th DSA layer, its entry of
-        ``replay`` / ``capture``."""
+        """This context narrowed to layer ``index``: its sequence view and ``state``, the pass's
+        ``tokens`` and ``seeds``, and, for the ``moe_index``-th MoE layer / ``dsa_index``-th DSA
+        layer, its entry of ``replay`` / ``capture``."""
         experts = None
         if self.replay is not None and moe_index is not None:
             if moe_index >= len(self.replay):
@@ -66,8 +69,8 @@ class Context:
         selections = None
         if self.capture is not None and dsa_index is not None:
             selections = self.capture[dsa_index]
-        return replace(self, state=state, tokens=tokens, seeds=seeds, experts=experts,
-                       selections=selections)
+        return replace(self, sequence=self.sequence.layer(index), state=state, tokens=tokens,
+                       seeds=seeds, experts=experts, selections=selections)
 
 
 DEFAULT = Context()

@@ -85,15 +85,16 @@ class DSALayer(HeadProjections):
             offset = state["k"].shape[1] if "k" in state else offset
             k, v, ki = (extend(state, n, t) for n, t in (("k", k), ("v", v), ("ki", ki)))
         if (self.cfg.indexer_mode == "dense" or ctx.dense_warmup) and state is None:
-            o, kl = self.attend_dense(q, k, v, qi, ki, wi)
+            o, kl = self.attend_dense(q, k, v, qi, ki, wi, self._train_indexer(ctx))
         else:
             k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
-            o, kl = self.attend(q, k, v, qi, ki, wi, offset, ctx.seeds, ctx.selections)
+            o, kl = self.attend(q, k, v, qi, ki, wi, offset, ctx.seeds, ctx.selections,
+                                self._train_indexer(ctx))
         y = self.o_proj(o.reshape(B, T, self.HQ * self.D), u)
         if kl is None:
             return y, x.new_zeros((), dtype=torch.float), None
-        # the indexer KL is a mean over queries: each shard holds 1 / size of them
-        return y, self.cfg.indexer_loss_weight * kl / seq.size, kl.detach()
+        # the indexer KL is a mean over queries: a shard or segment holds a fraction of them
+        return y, self.cfg.indexer_loss_weight * kl * seq.fraction(T), kl.detach()
 
     @torch.no_grad()
     def init_copying(self) -> None:
@@ -138,14 +139,14 @@ class DSALayer(HeadProjections):
             wi = wi + self.wi_bias
         return q, k, v, qi, ki, wi * cfg.index_heads**-0.5
 
-    def _train_indexer(self) -> bool:
-        return self.training and torch.is_grad_enabled()
+    def _train_indexer(self, ctx: Context) -> bool:
+        return ctx.train_indexer or (self.training and torch.is_grad_enabled())
 
     def attend(self, q, k, v, qi, ki, wi, offset: int = 0, seeds: torch.Tensor | None = None,
-               selections: "SelectionCapture | None" = None):
+               selections: "SelectionCapture | None" = None, kl: bool = False):
         """Sparse attention of queries at positions ``offset..offset+Tq`` over keys ``0..Tk``:
-        ``(o [B, Tq, HQ, D], the indexer's KL averaged over the queries, or None when not
-        training)``; ``selections`` records the top-k of the queries it covers."""
+        ``(o [B, Tq, HQ, D], the indexer's KL averaged over the queries, or None without
+        ``kl``)``; ``selections`` records the top-k of the queries it covers."""
         cfg = self.cfg
         backend = cfg.dsa_backend
         stage = None if self.stage is None else self.stage.encode()
@@ -153,19 +154,20 @@ class DSALayer(HeadProjections):
                              stage, seeds)
         if selections is not None:
             selections.add(idx, offset)
-        if not self._train_indexer():
+        if not kl:
             return sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend), None
         o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, return_probs=True,
                                 backend=backend)
         return o, indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
 
-    def attend_dense(self, q, k, v, qi, ki, wi):
-        """The indexer warm-up: dense causal attention, the indexer trained toward its weights."""
+    def attend_dense(self, q, k, v, qi, ki, wi, kl: bool = False):
+        """The indexer warm-up: dense causal attention, the indexer trained toward its weights
+        (its KL computed with ``kl``)."""
         rep = self.HQ // self.H
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
             v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
-        if not self._train_indexer():
+        if not kl:
             return o, None
         return o, indexer_kl_dense(q.detach(), k.detach(), qi, ki, wi, block_q=self.cfg.dsa_block)
 

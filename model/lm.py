@@ -168,7 +168,7 @@ class HybridLM(nn.Module):
         aux = x.new_zeros((), dtype=torch.float)
         loads, used, own, kls = [], [], [], []
         for i, block in enumerate(self.blocks):
-            layer_ctx = ctx.layer(None if state is None else state[i], input_ids, seeds,
+            layer_ctx = ctx.layer(i, None if state is None else state[i], input_ids, seeds,
                                   moe_index=len(loads) if isinstance(block.ffn, MoE) else None,
                                   dsa_index=len(kls) if block.kind == "dsa" else None)
             x, block_aux, report = block(x, layer_ctx)

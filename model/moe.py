@@ -160,8 +160,8 @@ class MoE(nn.Module):
             stats = stats + seq_stats
             if self.cfg.seq_aux_weight > 0 and T > 0:
                 # a shard's sequence is the whole of it: its counts summed over the context group
-                aux = aux + self.balance_loss(ctx.sequence.total(seq_stats[:, 0]), seq_share,
-                                              T * ctx.sequence.size) / B
+                aux = aux + ctx.sequence.balance(self.balance_loss, seq_stats[:, 0], seq_share,
+                                                 T) / B
         y = torch.cat(outs, dim=0).reshape(B, T, d) if outs else torch.zeros_like(x)
         if outs:
             choice = (torch.cat(used).reshape(B, T, k), torch.cat(owns).reshape(B, T, k))

@@ -9,12 +9,16 @@ border, and each layer calls them on its call's ``Context.sequence``:
   values), with ``offset``, the position of this shard's first row; ``prefix_tokens(ids)`` the
   same for tokens (the DSA candidate stage's seeds read them).
 * ``kda(...)``: the KDA op over the whole sequence.
-* ``total(x)``: a count summed over the shards (the MoE sequence-wise balance loss), and ``size``,
-  the number of shards.
+* ``balance(loss, load, share, T)``: the MoE sequence-wise balance loss of the whole sequence from
+  this part's counts and scores; ``fraction(T)``: this part's share of the sequence's queries (the
+  indexer KL is a mean over them).
+* ``layer(i)``: the interface as layer ``i`` sees it (its calls are told apart by layer).
 
 :data:`ONE_PROCESS` makes them identities; :class:`megabase.pipeline.context_parallel.ContextParallel`
-implements them with collectives, and a model's context carries the group to every layer. So
-a change to a layer's forward runs under context parallelism as written, with nothing to mirror.
+implements them with collectives across ranks, :class:`megabase.model.walk.Segment` with what
+earlier segments of a walked training window kept, and a model's context carries either to every
+layer. So a change to a layer's forward runs sharded and walked as written, with nothing to
+mirror.
 """
 
 from __future__ import annotations
@@ -51,9 +55,18 @@ class OneProcess:
         return kda_chunk(q, k, v, g, beta, initial_state=initial_state,
                          output_final_state=output_final_state, backend=backend)
 
-    def total(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the shards (no gradient)."""
-        return x
+    def balance(self, loss, load: torch.Tensor, share: torch.Tensor, length: int) -> torch.Tensor:
+        """The sequence-wise balance loss ``loss(counts [E], share [E], T)`` of the whole sequence,
+        from this part's routed counts ``load``, summed normalised scores ``share`` and length."""
+        return loss(load, share, length)
+
+    def fraction(self, length: int) -> float:
+        """This part's share of the sequence's queries, for a part of ``length`` of them."""
+        return 1.0
+
+    def layer(self, index: int) -> "OneProcess":
+        """The interface for layer ``index`` (the same object here)."""
+        return self
 
     def check_streaming(self) -> None:
         """Streaming (a layer called with ``state``) carries the sequence in one process."""

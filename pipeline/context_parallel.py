@@ -3,7 +3,7 @@
 Applied to a built :class:`~megabase.model.HybridLM` from outside (before recompute and offload),
 as torchtitan applies its parallelisms; parameter names do not change, so checkpoints are the same
 at any world size. The layers keep their one forward: :class:`ContextParallel` is the
-:mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``total``) done with
+:mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``balance``) done with
 collectives, handed to every layer in each call's :class:`~megabase.model.context.Context`. Per layer kind:
 
 * KDA: the recurrence ``S_t = A_t S_{t-1} + beta_t k_t v_t^T`` (``A_t = (I - beta_t k_t k_t^T)
@@ -93,9 +93,12 @@ class ContextParallel(OneProcess):
             self.check_streaming()
         return kda_context_parallel(q, k, v, g, beta, self, backend=backend), None
 
-    def total(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of ``x`` over the group (no gradient)."""
-        return summed(x, self.group)
+    def balance(self, loss, load: torch.Tensor, share: torch.Tensor, length: int) -> torch.Tensor:
+        """The balance loss with the sequence's counts (summed over the group, no gradient)."""
+        return loss(summed(load, self.group), share, length * self.size)
+
+    def fraction(self, length: int) -> float:
+        return 1.0 / self.size
 
 
 def summed(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from megabase.core.errors import TrainingDivergedError
 from megabase.core.vocab import N_BASES, SEP
 from megabase.data.augment import plant_repeats
 from megabase.data.progress import Progress
+from megabase.model.walk import segment_bounds, walked_forward
 
 from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
@@ -84,7 +85,8 @@ class LitLM(pl.LightningModule):
     """One optimizer step = ``grad_accum`` batches of ``[B, L]`` windows.
 
     Logs per step: ``loss`` (LM loss, nats), ``bits_per_base``, ``aux_loss``, ``lr``,
-    ``tokens_per_s``, ``peak_mem_gib``, ``moe_load_max_over_mean`` (the worst layer; per layer in
+    ``tokens_per_s``, ``peak_mem_gib``, ``segments`` (1, or how many segments the window was
+    walked in: ``train.segment``), ``moe_load_max_over_mean`` (the worst layer; per layer in
     ``moe_load_max_over_mean/layer_i``, and in the log ``moe_load_per_layer`` and
     ``moe_idle_experts``), ``moe_bias_norm`` and each DSA layer's indexer KL (``indexer_kl``, per
     layer in ``indexer_kl/layer_i``). The MoE balancing bias moves after every
@@ -101,7 +103,7 @@ class LitLM(pl.LightningModule):
         self.layout, self._parallelized = Layout(), False
         self._load = self._margins = self._kl = None
         self._flagged: set[int] = set()  # MoE layers already warned about (one line each)
-        self._tokens = 0
+        self._tokens, self._segments = 0, 1
         self._tick = time.perf_counter()
         self.history: list[dict] = []  # per optimizer step, for the final summary and tests
 
@@ -125,7 +127,12 @@ class LitLM(pl.LightningModule):
                                                      batch_idx % self.cfg.train.grad_accum)
         warm = self.global_step < self.cfg.train.indexer_warmup_steps
         ids, targets, mask = self.layout.shard(ids, targets, mask)
-        out = self.model(ids, targets, loss_mask=mask, ctx=self.model.context(dense_warmup=warm))
+        ctx = self.model.context(dense_warmup=warm)
+        self._segments = self.segments(ids.shape[1], warm)
+        if self._segments > 1:
+            out = walked_forward(self.model, ids, targets, mask, self.cfg.train.segment, ctx)
+        else:
+            out = self.model(ids, targets, loss_mask=mask, ctx=ctx)
         step = objective(out, self.layout)
         # the global loss across processes, so that every rank stops together
         total = step.objective.detach() if self.layout.world == 1 else step.lm_loss + step.aux_loss
@@ -143,6 +150,15 @@ class LitLM(pl.LightningModule):
             self._kl = kl if first or self._kl is None else self._kl + kl
         self._aux = step.aux_loss
         return step.objective / self.cfg.train.grad_accum
+
+    def segments(self, length: int, warm: bool = False) -> int:
+        """How many segments a window of ``length`` tokens (this rank's) is trained in: walked
+        past ``train.segment`` (:mod:`megabase.model.walk`), except during the dense indexer
+        warm-up (whole rows) and under context parallelism (not walked yet: a shard runs whole)."""
+        segment = self.cfg.train.segment
+        if segment is None or length <= segment or warm or self.layout.cp is not None:
+            return 1
+        return len(segment_bounds(length, segment))
 
     def _plant_repeats(self, targets: torch.Tensor, frac: float, micro: int):
         """The synthetic-repeat curriculum on a batch's targets ``[B, L]``: new ``(input_ids,
@@ -177,7 +193,8 @@ class LitLM(pl.LightningModule):
                "aux_loss": float(self._aux), "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
                "tokens_per_s": self._tokens / max(now - self._tick, 1e-9),
                "peak_mem_gib": peak_memory_gib(self.device),
-               "window_length": window_length_at(self.global_step - 1, self.cfg)}
+               "window_length": window_length_at(self.global_step - 1, self.cfg),
+               "segments": self._segments}
         per_layer = {}
         if self._load is not None and self._load.numel():
             load = self._load.float()

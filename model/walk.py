@@ -1,0 +1,342 @@
+"""Training over a long window in segments, with the gradients of the whole window.
+
+A training step over ``T`` tokens keeps every layer's activations of all ``T`` for its backward;
+at a megabase that is most of a 24 GiB machine, and every elementwise op streams full-length
+tensors through memory. :func:`walked_forward` runs the same step one segment at a time, as
+scoring does, and keeps only what crosses from a segment to the next:
+
+* forward, segments in order, without autograd: each layer's boundary values are kept (the KDA
+  state at each segment's start, the short conv's and the k-mer hash's last inputs, the DSA
+  layers' keys, values and index keys of every position so far);
+* backward, segments in reverse: a segment's forward is run again with autograd, starting from the
+  kept boundary values as leaves; one ``torch.autograd.grad`` over its loss and its boundary
+  outputs (with the gradients later segments sent back to them) gives its share of the parameter
+  gradients and the gradients of its own boundary inputs, which go to the segment before it. The
+  DSA keys and values of earlier positions that a segment's queries selected get their gradient
+  added into a whole-window buffer, which the segment that made them reads when its turn comes.
+
+This is context parallelism laid out in time: a :class:`Segment` is the
+:mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``balance``) for one
+segment of the window, handed to every layer in its call's context, so the layers' forwards are
+the ones every other pass runs. Per-token quantities (MoE, the loss, the indexer KL) stay in their
+segment; the sequence-wise balance loss reads the expert counts of the whole window, summed in the
+forward. The gradients equal the full backward's to fp32 round-off; the tests compare every
+parameter's.
+
+Activation recompute (``pipeline.memory``) composes: a recomputed block calls the same interface
+again inside the backward, and a :class:`Segment` layer view answers those calls with what it
+answered the first time, registering nothing twice (its calls are kept in order; a recompute
+replays them from the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megabase.kernels.kda import kda_chunk
+
+from .context import Context
+from .sequence import OneProcess
+
+
+def segment_bounds(length: int, segment: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of the segments of a ``length``-token window: ``segment`` tokens each,
+    the last one ragged."""
+    if segment < 1:
+        raise ValueError(f"a segment must hold at least one token, got {segment}")
+    return [(s, min(s + segment, length)) for s in range(0, length, segment)]
+
+
+class Walk:
+    """What crosses the segment borders of one window ``ids [B, T]`` cut at ``bounds``, in both
+    directions: kept in the forward (``tails``, ``states``, ``keys``, the balance loss's counts) and
+    sent back in the backward (their gradients)."""
+
+    def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]]):
+        self.ids, self.bounds, self.T = ids, bounds, ids.shape[1]
+        self.tails: dict = {}  # (key, segment) -> the segment's last rows of a layer's input
+        self.states: dict = {}  # (key, segment) -> the KDA state at the segment's start
+        self.keys: dict = {}  # key -> [B, T, ...] buffers of keys / values / index keys
+        self.key_grads: dict = {}  # key -> their gradients, summed over later queries
+        self.counts: dict = {}  # key -> the window's expert counts (balance loss)
+        self.shares: dict = {}  # key -> (loss function, the window's summed shares)
+        self.tail_grads: dict = {}  # (key, segment) -> gradient of the segment's last rows
+        self.state_grads: dict = {}  # (key, segment) -> gradient of the segment's final state
+        self.roots: list[tuple[torch.Tensor, torch.Tensor]] = []  # this segment's boundary outputs
+        self.leaves: list[tuple[torch.Tensor, dict, tuple]] = []  # and inputs, where their grad goes
+
+    def segment(self, index: int, grad: bool) -> "Segment":
+        """The sequence interface of segment ``index``; ``grad``: the backward's pass."""
+        return Segment(self, index, grad)
+
+    def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        self.roots.append((output, grad))
+
+    def leaf(self, value: torch.Tensor, sink: dict, key: tuple) -> torch.Tensor:
+        """``value`` as a leaf of this segment's backward whose gradient goes to ``sink[key]``."""
+        value = value.detach().requires_grad_()
+        self.leaves.append((value, sink, key))
+        return value
+
+
+class Segment(OneProcess):
+    """One segment of a walked window, as the layers see their sequence (the top-level view:
+    the embedding's and the seeds' calls). :meth:`layer` gives each layer its own view."""
+
+    size = 1
+
+    def __init__(self, walk: Walk, index: int, grad: bool, layer: int = -1):
+        self.walk, self.index, self.grad, self.layer_index = walk, index, grad, layer
+        self.start, self.end = walk.bounds[index]
+        self.last = index == len(walk.bounds) - 1
+        self.calls: list = []  # what each call returned, in order (a recompute replays them)
+        self.sealed = False
+        self.replayed = 0
+        self.views: dict[int, Segment] = {}
+
+    def layer(self, index: int) -> "Segment":
+        if index not in self.views:
+            self.views[index] = Segment(self.walk, self.index, self.grad, index)
+        return self.views[index]
+
+    def seal(self) -> None:
+        """The segment's forward is done: calls from now on are a recompute's (replays)."""
+        self.sealed = True
+        for view in self.views.values():
+            view.sealed = True
+
+    def _next(self, kind: str):
+        """``(key, replay)``: the call's key, and what it returned before if this is a replay."""
+        if self.sealed:
+            kind_then, result = self.calls[self.replayed]
+            if kind_then != kind:
+                raise RuntimeError(f"a recompute called {kind} where the forward called {kind_then}")
+            self.replayed += 1
+            return None, result
+        return (self.layer_index, kind, len(self.calls)), None
+
+    def _keep(self, kind: str, result):
+        self.calls.append((kind, result))
+        return result
+
+    def offset(self, length: int) -> int:
+        return self.start
+
+    def fraction(self, length: int) -> float:
+        return length / self.walk.T
+
+    def prefix_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.walk.ids[:, : self.end].to(ids.dtype)
+
+    def check_streaming(self) -> None:
+        raise ValueError("a walked window is not streamed (state=...): each segment is a full pass")
+
+    def before(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The previous segment's last ``n`` rows of ``x``; in the backward a leaf, and ``x``'s own
+        last rows get the gradient the next segment sent back."""
+        key, replay = self._next("before")
+        if key is None:
+            return replay
+        w = self.walk
+        if not self.last:
+            if x.shape[1] < n:
+                raise ValueError(f"segments of {x.shape[1]} tokens are shorter than a layer's "
+                                 f"{n}-row border")
+            w.tails[key, self.index] = x[:, x.shape[1] - n :].detach().clone()
+        prev = w.tails.get((key, self.index - 1))
+        if self.grad and x.is_floating_point():
+            sent = w.tail_grads.pop((key, self.index), None)
+            if sent is not None:
+                w.root(x[:, x.shape[1] - n :], sent)
+            if prev is not None:
+                prev = w.leaf(prev, w.tail_grads, (key, self.index - 1))
+        return self._keep("before", prev)
+
+    def prefix(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each ``x`` preceded by the rows of every earlier segment, read from the window's buffers
+        (written here as the segments pass)."""
+        key, replay = self._next("prefix")
+        if key is None:
+            return replay
+        w = self.walk
+        if key not in w.keys:
+            w.keys[key] = [x.new_empty(x.shape[0], w.T, *x.shape[2:]) for x in xs]
+        buffers = w.keys[key]
+        for buf, x in zip(buffers, xs):
+            buf[:, self.start : self.end] = x.detach()
+        if not self.grad:
+            return self._keep("prefix", tuple(buf[:, : self.end] for buf in buffers))
+        if key not in w.key_grads:
+            w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
+        grads = w.key_grads[key]
+        if not self.last:
+            for x, g in zip(xs, grads):
+                if x.requires_grad:
+                    w.root(x, g[:, self.start : self.end].clone())
+        return self._keep("prefix", _Prefix.apply(self.start, buffers, grads, *xs))
+
+    def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
+        """The KDA op over this segment from the state the previous one ended in (a leaf in the
+        backward), its final state kept for the next."""
+        if initial_state is not None or output_final_state:
+            self.check_streaming()
+        key, replay = self._next("kda")
+        if key is None:
+            return kda_chunk(q, k, v, g, beta, initial_state=replay, output_final_state=True,
+                             backend=backend)[0], None
+        w = self.walk
+        start = w.states.get((key, self.index))
+        if self.grad and start is not None:
+            start = w.leaf(start, w.state_grads, (key, self.index - 1))
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=start, output_final_state=True,
+                             backend=backend)
+        if not self.grad and not self.last:
+            w.states[key, self.index + 1] = final.detach()
+        if self.grad:
+            sent = w.state_grads.pop((key, self.index), None)
+            if sent is not None:
+                w.root(final, sent)
+        self._keep("kda", start)
+        return o, None
+
+    def balance(self, loss, load: torch.Tensor, share: torch.Tensor, length: int) -> torch.Tensor:
+        """The sequence-wise balance loss of the whole window: its counts are summed in the
+        forward (which returns zero here: :func:`walked_forward` adds the window's value once),
+        and a segment's share of it is ``loss(counts, share, T)`` (linear in ``share``)."""
+        key, replay = self._next("balance")
+        w = self.walk
+        if key is None:
+            return loss(replay, share, w.T)
+        if not self.grad:
+            w.counts[key] = w.counts.get(key, 0) + load.detach()
+            fn, total = w.shares.get(key, (loss, 0))
+            w.shares[key] = (fn, total + share.detach())
+            self._keep("balance", None)
+            return share.new_zeros(())
+        self._keep("balance", w.counts[key])
+        return loss(w.counts[key], share, w.T)
+
+
+class _Prefix(torch.autograd.Function):
+    """``x [B, T_s, ...]`` -> the window buffer's rows ``[:, :end]`` (earlier segments', then
+    ``x``'s); the gradient of the earlier rows is added into ``grads``, ``x`` gets its own rows'."""
+
+    @staticmethod
+    def forward(ctx, start, buffers, grads, *xs):
+        ctx.start, ctx.grads, ctx.lengths = start, grads, [x.shape[1] for x in xs]
+        return tuple(buf[:, : start + x.shape[1]] for buf, x in zip(buffers, xs))
+
+    @staticmethod
+    def backward(ctx, *outs):
+        start, ins = ctx.start, []
+        for g, acc, n in zip(outs, ctx.grads, ctx.lengths):
+            if g is None:
+                ins.append(None)
+                continue
+            if start:
+                acc[:, :start] += g[:, :start]
+            ins.append(g[:, start : start + n])
+        return (None, None, None, *ins)
+
+
+def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
+                   loss_mask: torch.Tensor | None = None, segment: int = 65536,
+                   ctx: Context | None = None):
+    """``model(input_ids, targets, loss_mask)`` for a training step, walked in segments of
+    ``segment`` tokens: the same :class:`~megabase.model.LMOutput` (loss, lm_loss and aux_loss
+    differentiable, their backward the walk's), with one segment's activations alive at a time.
+    ``ctx``: the call's context (its sequence must be the whole window; the dense indexer warm-up
+    attends over whole rows and is not walked)."""
+    from .lm import LMOutput
+
+    ctx = model.context() if ctx is None else ctx
+    if ctx.sequence.size > 1:
+        raise ValueError("a context-parallel shard is not walked yet: walk one process's window")
+    if ctx.dense_warmup or model.cfg.indexer_mode == "dense":
+        raise ValueError("the dense indexer warm-up attends over whole rows: it is not walked")
+    if ctx.replay is not None or ctx.capture is not None or ctx.state is not None:
+        raise ValueError("routing replay, selection capture and streaming are not walked")
+    if loss_mask is None:
+        loss_mask = torch.ones_like(targets, dtype=torch.bool)
+    walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment))
+    params = [p for p in model.parameters() if p.requires_grad]
+    report: dict = {}
+    lm, aux = _Walked.apply(walk, model, targets, loss_mask, ctx, report, *params)
+    return LMOutput(lm + aux, lm, report["nll"], report["mask"], aux, report["expert_load"],
+                    report["n_tokens"], expert_margins=report["expert_margins"],
+                    routing=report["routing"], router_choice=report["router_choice"],
+                    indexer_kl=report["indexer_kl"])
+
+
+def _segment_call(model, walk: Walk, index: int, grad: bool, targets, loss_mask, ctx: Context):
+    a, b = walk.bounds[index]
+    seq = walk.segment(index, grad)
+    out = model(walk.ids[:, a:b], targets[:, a:b], loss_mask=loss_mask[:, a:b],
+                ctx=replace(ctx, sequence=seq, train_indexer=True))
+    return out, seq
+
+
+class _Walked(torch.autograd.Function):
+    """The walked step as one autograd node: forward ``(lm_loss, aux_loss)``; backward the reverse
+    walk, returning every parameter's gradient (so DDP's hooks see one gradient per parameter)."""
+
+    @staticmethod
+    def forward(fn_ctx, walk, model, targets, loss_mask, ctx, report, *params):
+        lm_sum = aux = 0.0
+        n = 0
+        nll, masks, loads, margins, used, own, kls = [], [], [], [], [], [], []
+        with torch.no_grad():
+            for i, (a, b) in enumerate(walk.bounds):
+                out, _ = _segment_call(model, walk, i, False, targets, loss_mask, ctx)
+                lm_sum = lm_sum + out.lm_loss.double() * out.n_tokens
+                aux = aux + out.aux_loss.double()
+                n += out.n_tokens
+                nll.append(out.nll)
+                masks.append(out.mask)
+                loads.append(out.expert_load)
+                margins.append(out.expert_margins)
+                used.append(out.routing)
+                own.append(out.router_choice)
+                if out.indexer_kl is not None:
+                    kls.append(out.indexer_kl * ((b - a) / walk.T))
+            B = walk.ids.shape[0]
+            for key, (loss, share) in walk.shares.items():
+                aux = aux + loss(walk.counts[key], share, walk.T).double() / B
+        fn_ctx.walk, fn_ctx.model, fn_ctx.ctx = walk, model, ctx
+        fn_ctx.targets, fn_ctx.loss_mask, fn_ctx.n = targets, loss_mask, n
+        fn_ctx.params = params
+        report.update(
+            nll=torch.cat(nll, 1), mask=torch.cat(masks, 1), n_tokens=n,
+            expert_load=sum(loads), expert_margins=sum(margins),
+            routing=[torch.cat(r, 1) for r in zip(*used)],
+            router_choice=[torch.cat(r, 1) for r in zip(*own)],
+            indexer_kl=sum(kls) if kls else None)
+        lm = (lm_sum / max(n, 1)).float()
+        return lm, torch.as_tensor(aux, dtype=torch.float32)
+
+    @staticmethod
+    def backward(fn_ctx, g_lm, g_aux):
+        walk, model, params = fn_ctx.walk, fn_ctx.model, fn_ctx.params
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        for i in reversed(range(len(walk.bounds))):
+            with torch.enable_grad():
+                out, seq = _segment_call(model, walk, i, True, fn_ctx.targets, fn_ctx.loss_mask,
+                                         fn_ctx.ctx)
+                seq.seal()
+                objective = out.lm_loss * (out.n_tokens / max(fn_ctx.n, 1)) * g_lm + \
+                    out.aux_loss * g_aux
+                roots = [objective] + [r for r, _ in walk.roots]
+                sent = [None] + [g for _, g in walk.roots]
+                leaves = [leaf for leaf, _, _ in walk.leaves]
+                found = torch.autograd.grad(roots, list(params) + leaves, sent, allow_unused=True)
+            for j, g in enumerate(found[: len(params)]):
+                if g is not None:
+                    grads[j] = g if grads[j] is None else grads[j] + g
+            for (_, sink, key), g in zip(walk.leaves, found[len(params):]):
+                if g is not None:
+                    sink[key] = g
+            walk.roots, walk.leaves = [], []
+            del out, objective, roots, found
+        return (None,) * 6 + tuple(grads)
