@@ -61,11 +61,10 @@ def _run(model: HybridLM, inputs, state, layer, ctx):
 
 
 @torch.no_grad()
-def prefill(model: HybridLM, tokens: torch.Tensor, segment: int,
-            state: list[dict] | None = None) -> tuple[list[dict], Piece]:
-    """Read ``tokens [B, P]`` into a state (a new one, or ``state`` extended) ``segment`` tokens
-    at a time -> ``(state, the last piece's logits with every piece's routing)``."""
-    state = model.init_state() if state is None else state
+def prefill(model: HybridLM, tokens: torch.Tensor, segment: int) -> tuple[list[dict], Piece]:
+    """Read ``tokens [B, P]`` into a new state ``segment`` tokens at a time -> ``(state, the last
+    piece's logits with every piece's routing)``."""
+    state = model.init_state()
     logits, parts = None, []
     for s in range(0, tokens.shape[1], segment):
         logits, _, routing = _run(model, tokens[:, s : s + segment], state, None, None)

@@ -38,6 +38,7 @@ import torch
 from megabase.kernels.kda import kda_chunk
 
 from .context import Context
+from .lm import LMOutput
 from .sequence import OneProcess
 
 
@@ -67,10 +68,6 @@ class Walk:
         self.roots: list[tuple[torch.Tensor, torch.Tensor]] = []  # this segment's boundary outputs
         self.leaves: list[tuple[torch.Tensor, dict, tuple]] = []  # and inputs, where their grad goes
 
-    def segment(self, index: int, grad: bool) -> "Segment":
-        """The sequence interface of segment ``index``; ``grad``: the backward's pass."""
-        return Segment(self, index, grad)
-
     def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
         self.roots.append((output, grad))
 
@@ -83,9 +80,8 @@ class Walk:
 
 class Segment(OneProcess):
     """One segment of a walked window, as the layers see their sequence (the top-level view:
-    the embedding's and the seeds' calls). :meth:`layer` gives each layer its own view."""
-
-    size = 1
+    the embedding's and the seeds' calls). :meth:`layer` gives each layer its own view.
+    ``grad``: the backward's pass of the segment (the forward's runs without autograd)."""
 
     def __init__(self, walk: Walk, index: int, grad: bool, layer: int = -1):
         self.walk, self.index, self.grad, self.layer_index = walk, index, grad, layer
@@ -164,9 +160,9 @@ class Segment(OneProcess):
         if key not in w.keys:
             w.keys[key] = [x.new_empty(x.shape[0], w.T, *x.shape[2:]) for x in xs]
         buffers = w.keys[key]
-        for buf, x in zip(buffers, xs):
-            buf[:, self.start : self.end] = x.detach()
-        if not self.grad:
+        if not self.grad:  # written once: the backward's pass recomputes the same rows
+            for buf, x in zip(buffers, xs):
+                buf[:, self.start : self.end] = x.detach()
             return self._keep("prefix", tuple(buf[:, : self.end] for buf in buffers))
         if key not in w.key_grads:
             w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
@@ -241,6 +237,17 @@ class _Prefix(torch.autograd.Function):
         return (None, None, None, *ins)
 
 
+def unwalkable(model, ctx: Context) -> str | None:
+    """Why a call of ``model`` with ``ctx`` cannot be walked, or None when it can."""
+    if ctx.sequence.size > 1:
+        return "a context-parallel shard is not walked yet: walk one process's window"
+    if ctx.dense_warmup or model.cfg.indexer_mode == "dense":
+        return "the dense indexer warm-up attends over whole rows: it is not walked"
+    if ctx.replay is not None or ctx.capture is not None or ctx.state is not None:
+        return "routing replay, selection capture and streaming are not walked"
+    return None
+
+
 def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
                    loss_mask: torch.Tensor | None = None, segment: int = 65536,
                    ctx: Context | None = None):
@@ -249,15 +256,10 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
     differentiable, their backward the walk's), with one segment's activations alive at a time.
     ``ctx``: the call's context (its sequence must be the whole window; the dense indexer warm-up
     attends over whole rows and is not walked)."""
-    from .lm import LMOutput
-
     ctx = model.context() if ctx is None else ctx
-    if ctx.sequence.size > 1:
-        raise ValueError("a context-parallel shard is not walked yet: walk one process's window")
-    if ctx.dense_warmup or model.cfg.indexer_mode == "dense":
-        raise ValueError("the dense indexer warm-up attends over whole rows: it is not walked")
-    if ctx.replay is not None or ctx.capture is not None or ctx.state is not None:
-        raise ValueError("routing replay, selection capture and streaming are not walked")
+    reason = unwalkable(model, ctx)
+    if reason:
+        raise ValueError(reason)
     if loss_mask is None:
         loss_mask = torch.ones_like(targets, dtype=torch.bool)
     walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment))
@@ -272,7 +274,7 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
 
 def _segment_call(model, walk: Walk, index: int, grad: bool, targets, loss_mask, ctx: Context):
     a, b = walk.bounds[index]
-    seq = walk.segment(index, grad)
+    seq = Segment(walk, index, grad)
     out = model(walk.ids[:, a:b], targets[:, a:b], loss_mask=loss_mask[:, a:b],
                 ctx=replace(ctx, sequence=seq, train_indexer=True))
     return out, seq

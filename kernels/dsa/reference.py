@@ -262,9 +262,9 @@ def candidate_indexer(q_idx, k_idx, w_idx, topk: int, stage: Stage, scale: float
         rows = slice(q0, min(q0 + block_q, Tq))
         w = None if w_idx is None else w_idx[:, rows].float()
         pos = torch.arange(rows.start, rows.stop, device=q_idx.device) + offset
-        cand = _candidates(q_idx[:, rows].float() * scale, w, summaries, pos, stage,
-                           None if seeds is None else seeds[:, rows])
-        out[:, rows] = _top(q_idx[:, rows].float() * scale, w, keys, cand, pos, topk, keep_recent)
+        qs = q_idx[:, rows].float() * scale
+        cand = _candidates(qs, w, summaries, pos, stage, None if seeds is None else seeds[:, rows])
+        out[:, rows] = _top(qs, w, keys, cand, pos, topk, keep_recent)
     return out
 
 

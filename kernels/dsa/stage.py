@@ -102,7 +102,8 @@ def with_stage(exact, summarise, candidates):
     the queries is written once, here):
 
     * ``exact(q_idx, k_idx, w_idx, topk, scale, keep_recent, offset=...)``: its exact indexer, for
-      the queries before ``stage.first_staged()`` (at its default blocks);
+      the queries before ``stage.first_staged()`` (at its default blocks), and for every query of
+      a stage whose summary is ``exact``;
     * ``summarise(k_idx [B, Tk, DI], stage) -> [B, Tk // block, R, DI]``: its block summaries;
     * ``candidates(q_idx, k_idx, w_idx, topk, stage, scale, keep_recent, offset, seeds,
       summaries, block_q)``: the staged queries' top-k among their candidates (every query at
@@ -126,19 +127,19 @@ def with_stage(exact, summarise, candidates):
                              f"{tuple(q_idx.shape)}")
         B, Tq, _, DI = q_idx.shape
         scale = DI**-0.5 if scale is None else scale
-        split = min(Tq, max(0, stage.first_staged() - offset))
-        out = torch.full((B, Tq, topk), -1, dtype=torch.long, device=q_idx.device)
+        # summary "exact" is no stage: every query takes the exact indexer
+        split = Tq if stage.exact else min(Tq, max(0, stage.first_staged() - offset))
         if split:
             # the exact indexer's own blocks: block_q here is the candidate stage's tile
-            out[:, :split] = exact(q_idx[:, :split], k_idx, None if w_idx is None else
-                                   w_idx[:, :split], topk, scale, keep_recent, offset=offset)
-        if split == Tq:
-            return out
+            head = exact(q_idx[:, :split], k_idx, None if w_idx is None else w_idx[:, :split],
+                         topk, scale, keep_recent, offset=offset)
+            if split == Tq:
+                return head
         summaries = summarise(k_idx, stage) if summaries is None else summaries
-        out[:, split:] = candidates(
+        tail = candidates(
             q_idx[:, split:], k_idx, None if w_idx is None else w_idx[:, split:], topk, stage,
             scale, keep_recent, offset + split, None if seeds is None else seeds[:, split:],
             summaries, block_q)
-        return out
+        return torch.cat([head, tail], dim=1) if split else tail
 
     return staged_indexer

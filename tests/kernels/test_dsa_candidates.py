@@ -82,6 +82,16 @@ def test_the_stage_is_the_exact_indexer_before_its_first_position_and_with_an_of
 
 
 @pytest.mark.parametrize("impl", [reference.staged_indexer, cpu.staged_indexer])
+def test_a_stage_whose_summary_is_exact_is_the_exact_indexer(impl):
+    _, _, _, qi, ki, wi = make(1, 400, 2, 1, 4, 2, 6, 9, seed=41)
+    stage = stage_of(16, 2, 32, summary="exact")  # from position 0: staged but for its summary
+    exact = dsa_indexer(qi, ki, wi, 9)
+    assert torch.equal(impl(qi, ki, wi, 9, stage), exact)
+    assert torch.equal(dsa_indexer(qi, ki, wi, 9, stage=stage), exact)
+    assert not torch.equal(impl(qi, ki, wi, 9, dataclasses.replace(stage, summary="max")), exact)
+
+
+@pytest.mark.parametrize("impl", [reference.staged_indexer, cpu.staged_indexer])
 def test_where_the_candidates_hold_the_exact_top_k_the_stage_selects_it(impl):
     """Every key scores 0 (ties go to the most recent keys: local ones) but one far spike. A
     seed reaches it; so does its block's max bound, while the mean of its block dilutes it."""
