@@ -16,7 +16,7 @@ from megabase.core.errors import TrainingDivergedError
 from megabase.core.vocab import N_BASES, SEP
 from megabase.data.augment import plant_repeats
 from megabase.data.progress import Progress
-from megabase.model.walk import segment_bounds, walked_forward
+from megabase.model.walk import segment_bounds, unwalkable, walked_forward
 
 from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
@@ -128,7 +128,7 @@ class LitLM(pl.LightningModule):
         warm = self.global_step < self.cfg.train.indexer_warmup_steps
         ids, targets, mask = self.layout.shard(ids, targets, mask)
         ctx = self.model.context(dense_warmup=warm)
-        self._segments = self.segments(ids.shape[1], warm)
+        self._segments = self.segments(ids.shape[1], ctx)
         if self._segments > 1:
             out = walked_forward(self.model, ids, targets, mask, self.cfg.train.segment, ctx)
         else:
@@ -151,12 +151,12 @@ class LitLM(pl.LightningModule):
         self._aux = step.aux_loss
         return step.objective / self.cfg.train.grad_accum
 
-    def segments(self, length: int, warm: bool = False) -> int:
-        """How many segments a window of ``length`` tokens (this rank's) is trained in: walked
-        past ``train.segment`` (:mod:`megabase.model.walk`), except during the dense indexer
-        warm-up (whole rows) and under context parallelism (not walked yet: a shard runs whole)."""
+    def segments(self, length: int, ctx) -> int:
+        """How many segments a window of ``length`` tokens (this rank's) is trained in under
+        ``ctx``: walked past ``train.segment`` (:mod:`megabase.model.walk`) where it can be (not
+        the dense indexer's steps, not a context-parallel shard yet: those run whole)."""
         segment = self.cfg.train.segment
-        if segment is None or length <= segment or warm or self.layout.cp is not None:
+        if segment is None or length <= segment or unwalkable(self.model, ctx):
             return 1
         return len(segment_bounds(length, segment))
 

@@ -36,9 +36,7 @@ from pathlib import Path
 
 from megabase.core.errors import InputError
 from megabase.eval.config import EvalConfig
-from megabase.eval.evaluate import check_output, evaluate
 from megabase.eval.report import check_report, report_metrics, report_table, write_report
-from megabase.model.checkpoint import held_checkpoint, read_checkpoint_config
 
 DEFAULT_TRACKING_URI = "sqlite:///work/mlflow.db"
 DEFAULT_EXPERIMENT = "megabase"
@@ -331,6 +329,10 @@ def evaluate_tracked(checkpoint: str | Path, data: str | Path, options: EvalConf
     is asked for anything, so a tracking store that fails or stays locked costs no scoring
     (:func:`log_saved_report` logs it later); a run is created only then, and deleted if logging
     fails."""
+    # here, not at the top: they load torch, which megabase log and compare never need
+    from megabase.eval.evaluate import check_output, evaluate
+    from megabase.model.checkpoint import held_checkpoint, read_checkpoint_config
+
     options = (options or EvalConfig()).check()  # bad options are refused before anything is read
     if out is not None:
         check_output(Path(out))

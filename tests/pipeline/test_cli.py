@@ -62,3 +62,15 @@ def test_the_cli_lets_idle_threads_sleep_soon_unless_told_otherwise():
         got = subprocess.run([sys.executable, "-c", probe], env={**env, **given},
                              capture_output=True, text=True)
         assert got.stdout.strip() == expected, (given, got.stderr[-2000:])
+
+
+def test_prepare_log_and_compare_start_without_torch():
+    """The CLI and the tracking module (megabase log, compare) load no torch: prepare's start-up
+    time is the user's first impression, and reading a report needs no model."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megabase.pipeline.cli, megabase.pipeline.tracking, megabase.data; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

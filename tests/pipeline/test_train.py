@@ -206,6 +206,11 @@ def test_a_window_past_train_segment_is_walked_and_trains_as_the_whole_window(bu
     a, b = ([rows[s]["loss"] for s in sorted(rows)] for rows in (walked, whole))
     np.testing.assert_allclose(a[:4], b[:4], rtol=1e-6, atol=0)
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=0)
+    # what cannot be walked runs whole: the dense indexer's attention over whole rows
+    assert main(["train", *tiny(tmp_path / "c", bundled_store, 2, **sets,
+                                **{"train.segment": "1024", "model.overrides.indexer_mode": "dense"}),
+                 "--quiet"]) == 0
+    assert {row["segments"] for row in read_train_log(tmp_path / "c" / "runs" / "tiny").values()} == {1}
 
 
 def test_max_minutes_stops_early_with_a_checkpoint_and_says_so(bundled_store, tmp_path, capsys):
