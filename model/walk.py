@@ -67,6 +67,7 @@ class Walk:
         self.state_grads: dict = {}  # (key, segment) -> gradient of the segment's final state
         self.roots: list[tuple[torch.Tensor, torch.Tensor]] = []  # this segment's boundary outputs
         self.leaves: list[tuple[torch.Tensor, dict, tuple]] = []  # and inputs, where their grad goes
+        self.between = lambda: None  # called after each segment's pass
 
     def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
         self.roots.append((output, grad))
@@ -249,13 +250,15 @@ def unwalkable(model, ctx: Context) -> str | None:
 
 
 def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
-                   loss_mask: torch.Tensor | None = None, segment: int = 65536,
-                   ctx: Context | None = None):
+                   loss_mask: torch.Tensor | None = None, segment: int = 8192,
+                   ctx: Context | None = None, between=None):
     """``model(input_ids, targets, loss_mask)`` for a training step, walked in segments of
     ``segment`` tokens: the same :class:`~megabase.model.LMOutput` (loss, lm_loss and aux_loss
     differentiable, their backward the walk's), with one segment's activations alive at a time.
     ``ctx``: the call's context (its sequence must be the whole window; the dense indexer warm-up
-    attends over whole rows and is not walked)."""
+    attends over whole rows and is not walked). ``between``: called with no arguments after each
+    of the ``2 * len(segments)`` passes (forward and backward), once the pass's tensors are freed:
+    the trainer's progress and heap trim."""
     ctx = model.context() if ctx is None else ctx
     reason = unwalkable(model, ctx)
     if reason:
@@ -263,6 +266,7 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
     if loss_mask is None:
         loss_mask = torch.ones_like(targets, dtype=torch.bool)
     walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment))
+    walk.between = between or (lambda: None)
     params = [p for p in model.parameters() if p.requires_grad]
     report: dict = {}
     lm, aux = _Walked.apply(walk, model, targets, loss_mask, ctx, report, *params)
@@ -303,6 +307,8 @@ class _Walked(torch.autograd.Function):
                 own.append(out.router_choice)
                 if out.indexer_kl is not None:
                     kls.append(out.indexer_kl * ((b - a) / walk.T))
+                del out
+                walk.between()
             B = walk.ids.shape[0]
             for key, (loss, share) in walk.shares.items():
                 aux = aux + loss(walk.counts[key], share, walk.T).double() / B
@@ -341,4 +347,24 @@ class _Walked(torch.autograd.Function):
                     sink[key] = g
             walk.roots, walk.leaves = [], []
             del out, objective, roots, found
+            walk.between()
         return (None,) * 6 + tuple(grads)
+
+
+def border_bytes(model, length: int = 64) -> dict[str, int]:
+    """Bytes per window token that a walked step of ``model`` keeps whatever its segment size,
+    read from a no-grad walk of two ``length``-token segments of a probe window: ``keys`` (every
+    DSA layer's key, value and index-key buffers; their gradients take as much again), ``layer``
+    (the largest one layer's: its prefix gradient is one full-window tensor in its segment's
+    backward), ``report`` (the per-token outputs gathered over the window: NLL, mask, routing)."""
+    ids = torch.zeros(1, 2 * length, dtype=torch.long)
+    walk = Walk(ids, segment_bounds(2 * length, length))
+    params = [p for p in model.parameters() if p.requires_grad]
+    report: dict = {}
+    with torch.no_grad():
+        _Walked.apply(walk, model, ids, ids < 4, model.context(), report, *params)
+    per_layer = [sum(b[0, 0].numel() * b.element_size() for b in bufs) for bufs in walk.keys.values()]
+    per_token = [t for v in report.values() for t in (v if isinstance(v, list) else [v])
+                 if torch.is_tensor(t) and t.dim() > 1 and t.shape[1] == 2 * length]
+    return {"keys": sum(per_layer), "layer": max(per_layer, default=0),
+            "report": sum(t[0, 0].numel() * t.element_size() for t in per_token)}

@@ -79,10 +79,11 @@ class TrainConfig:
     # only the kernels and the DSA candidate stage); a fresh optimizer and schedule
     init_from: str | None = None
     recompute: str = "none"
-    # windows longer than this are trained in segments of this many tokens, with the gradients of
-    # the whole window and one segment's activations alive (megabase.model.walk); null: the whole
-    # window at once (the reference)
-    segment: int | None = 32768
+    # windows longer than segment_from tokens are trained in segments of segment tokens, with the
+    # gradients of the whole window and one segment's activations alive (megabase.model.walk);
+    # segment null: every window at once (the reference)
+    segment: int | None = 4096
+    segment_from: int = 32768
     offload: bool = False
     trim_heap: bool = False  # CPU: return freed heap to the OS between blocks (lower peak RSS)
     checkpoint_every: int = 64
@@ -414,6 +415,8 @@ def _check_bounds(cfg: RunConfig, source: str) -> None:
     if t.segment is not None and t.segment < MIN_SEGMENT:
         raise InputError(f"train.segment must be at least {MIN_SEGMENT:,} tokens (or null: the "
                          f"whole window at once), got {t.segment:,}", source)
+    if t.segment_from < 0:
+        raise InputError(f"train.segment_from must be >= 0 tokens, got {t.segment_from:,}", source)
     for name in ("max_n_frac", "rc_prob"):
         if not 0.0 <= getattr(d, name) <= 1.0:
             raise InputError(f"data.{name} must be within [0, 1], got {getattr(d, name)}", source)
@@ -503,7 +506,8 @@ def dump_config(cfg: RunConfig) -> str:
 # the same data at any world size), with which memory knobs, how it is evaluated and tracked.
 # Anything else changes the model or the data it is fed.
 RESUMABLE = {"workdir", "train.steps", "train.max_minutes", "train.checkpoint_every",
-             "train.num_workers", "train.recompute", "train.segment", "train.offload",
+             "train.num_workers", "train.recompute", "train.segment", "train.segment_from",
+             "train.offload",
              "train.trim_heap",
              "train.devices", "train.num_nodes", "train.context_parallel", "tracking.experiment",
              "tracking.run_name"}

@@ -94,29 +94,35 @@ def apply_offload(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Modu
     return wrap(model, Offloaded) if enabled else model
 
 
-def apply_heap_trim(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
-    """Hand freed heap memory back to the OS after every block's forward and backward (glibc's
-    ``malloc_trim``; CPU runs on Linux only, a no-op elsewhere).
-
-    On a CPU a layer's large transient tensors leave freed pages inside glibc's heap, and peak RSS
-    counts them: trimming between blocks lowered a cpu-small step's peak from 4.19 to 3.17 GiB at
-    65,536 tokens for ~5% more time (docs/benchmarks.md). Results are unchanged.
-    """
+def heap_trimmer():
+    """glibc's ``malloc_trim(0)`` as a function of no arguments, or None where there is none (not
+    Linux): it hands the heap's freed pages back to the OS."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    return None if trim is None else lambda: trim(0)
+
+
+def apply_heap_trim(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
+    """Hand freed heap memory back to the OS after every block's forward and backward
+    (:func:`heap_trimmer`; CPU runs on Linux only, a no-op elsewhere).
+
+    On a CPU a layer's large transient tensors leave freed pages inside glibc's heap, and peak RSS
+    counts them: trimming between blocks lowered a cpu-small step's peak from 4.19 to 3.17 GiB at
+    65,536 tokens for ~5% more time (docs/benchmarks.md). Results are unchanged.
+    """
+    trim = heap_trimmer()
     if not enabled or trim is None or getattr(model, "__megabase_heap_trim__", False):
         return model
 
     def hook(module, *args):
         if not next(module.parameters()).is_cuda:  # read per call: the trainer moves the model later
-            trim(0)
+            trim()
 
     for block in model.blocks:
         block.register_forward_hook(hook)
         block.register_full_backward_hook(hook)
     model.__megabase_heap_trim__ = True
     return model
-

@@ -16,6 +16,7 @@ from megabase.eval.evaluate import check_apart
 from megabase.model import read_checkpoint_config
 
 from .config import RunConfig, check_init_from
+from .fit import check_fits
 from .plan import RunPlan, resume_point
 from .tracking import evaluate_tracked
 from .train import fit_plan
@@ -56,6 +57,8 @@ def _run(cfg: RunConfig, progress: bool, started: float) -> RunResult:
 
     out = run_dir(cfg)
     point = resume_point(cfg, out, resume=True)  # `run` resumes on its own; refused before writing
+    if point.step < cfg.train.steps:
+        check_fits(cfg)  # a step that cannot fit in memory: refused before the genome is prepared
     stages = {}
     store, prepared = ensure_store(cfg, progress)
     stages["prepare"] = "skipped (up to date)" if prepared.skipped else "done"

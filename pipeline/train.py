@@ -31,6 +31,7 @@ from megabase.model.checkpoint import latest_checkpoint, resolve_checkpoint
 from .checkpointing import DirectoryCheckpointIO, PeriodicCheckpoint
 from .config import RunConfig, check_init_from, dump_config, flat_params, model_config
 from .distributed import trainer_kwargs
+from .fit import check_fits
 from .lit import LitLM, LogProgress, StepLog
 from .plan import RunPlan, resume_point
 from .tracking import experiment_id, is_locked, quiet_libraries, resolve_tracking_uri, retry_locked
@@ -128,6 +129,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True) -> TrainR
     # one writer per run folder: the ranks it starts are its own (and hold no lock)
     with holding(out, f"run {cfg.name!r}") if zero else contextlib.nullcontext():
         point = resume_point(cfg, out, resume)  # refused before any of the run's files is written
+        if zero and point.step < cfg.train.steps:
+            check_fits(cfg)  # a step that cannot fit in memory: refused now, not killed later
         store = open_store(cfg)
         plan = RunPlan(cfg, out, store, ensure_windows(cfg, store), point)
         return fit_plan(plan, progress, started)
@@ -179,6 +182,7 @@ def fit_plan(plan: RunPlan, progress: bool = True, started: float | None = None)
     else:
         model = build_model(model_config(cfg))
     lit = LitLM(model, cfg, log_path=out / "train_log.jsonl")  # parallelized in configure_model
+    lit.progress = progress
     dataset = WindowDataset(store, bed, split="train", rc_prob=cfg.data.rc_prob, seed=t.seed)
     replicas = t.devices * t.num_nodes // t.context_parallel
     stream = TrainingStream(len(dataset), t.seed, start_step * per_step, t.batch_size,

@@ -174,7 +174,8 @@ class _Attention(torch.autograd.Function):
             D, DV, K, scale, o.data_ptr(), lse.data_ptr(), probs.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise MemoryError("the native DSA attention could not allocate its score buffer")
-        ctx.save_for_backward(q, k, v, indices, o, lse)
+        # the selections are kept as int32 (half the bytes; positions stay below 2**31)
+        ctx.save_for_backward(q, k, v, indices.to(torch.int32), o, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(probs)
         return o, probs
@@ -183,6 +184,7 @@ class _Attention(torch.autograd.Function):
     @full_precision
     def backward(ctx, do, _dprobs):
         q, k, v, indices, o, lse = ctx.saved_tensors
+        indices = indices.long()
         B, Tq, HQ, D = q.shape
         Tk, H, DV, K = k.shape[1], k.shape[2], v.shape[-1], indices.shape[-1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -84,6 +84,29 @@ def test_recompute_inside_the_walk_keeps_the_gradients(real_tokens, mode):
     _assert_same_step(full, walked, f"recompute={mode}")
 
 
+def test_between_runs_after_every_pass_and_the_heap_trim_keeps_the_gradients(real_tokens):
+    """The trainer's ``between`` (progress, and on a CPU the heap handed back) runs once after
+    each segment's forward and each one's backward, and changes nothing computed."""
+    from megabase.pipeline.memory import heap_trimmer
+
+    x = real_tokens[:, :2501]
+    trim, calls = heap_trimmer(), []
+
+    def between():
+        calls.append(len(calls))
+        if trim is not None:
+            trim()
+
+    model = _model(STAGE)
+    model.zero_grad(set_to_none=True)
+    out = walked_forward(model, x[:, :-1], x[:, 1:], x[:, 1:] < 4, 1024, between=between)
+    assert len(calls) == 3  # the forward's three segments so far
+    out.loss.backward()
+    assert len(calls) == 6
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    _assert_same_step(_step(_model(STAGE), x), (out, grads), "between")
+
+
 def test_the_dense_warmup_is_not_walked(real_tokens):
     model = _model({})
     x = real_tokens[:, :1001]

@@ -30,15 +30,8 @@ def test_resume_after_sigkill_gives_the_same_losses(bundled_store, tmp_path):
 
     cmd = [sys.executable, "-m", "megabase.pipeline.cli", "train",
            *tiny(tmp_path / "b", bundled_store, steps), "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run = tmp_path / "b" / "runs" / "tiny"
-    latest = run / "checkpoints" / "latest"
-    while proc.poll() is None and not (latest.is_file() and latest.read_text().strip() >= "step-000004"):
-        time.sleep(0.02)
-    killed_at = len(read_train_log(run))
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = _kill_once_past(cmd, run, "step-000004")
     assert killed_at < steps  # really interrupted mid-run
 
     assert main(["train", *tiny(tmp_path / "b", bundled_store, steps), "--resume", "--quiet"]) == 0
@@ -102,6 +95,8 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(bundled_stor
         return out
 
     monkeypatch.setattr(HybridLM, "forward", poisoned)
+    # the memory check's probe steps would be counted as the first calls
+    monkeypatch.setattr("megabase.pipeline.train.check_fits", lambda cfg: None)
     assert main(["train", *tiny(tmp_path, bundled_store, 8), "--quiet"]) == 3
     err = capsys.readouterr().err
     assert "at step 5" in err and len(err.strip().splitlines()) == 1
@@ -190,12 +185,13 @@ def test_memory_knobs_train_the_same(bundled_store, tmp_path, knob):
 
 def test_a_window_past_train_segment_is_walked_and_trains_as_the_whole_window(bundled_store,
                                                                               tmp_path):
-    """8 steps over 4,096-base windows walked in segments of 1,024 (train.segment) against the
+    """8 steps over 4,096-base windows walked in segments of 1,024 (train.segment; past
+    train.segment_from=0) against the
     whole-window backward (train.segment=null). Step by step the two are equal from the same
     weights (tests/model/test_walk.py); two runs agree to 1e-6 only until fp32 round-off,
     amplified by the optimizer, drifts them apart as it drifts any reordered sum (the loss_chunk
     knob's too): ~1e-3 of the loss within 12 steps."""
-    sets = {"data.window_length": "4096", "train.warmup_steps": "4"}
+    sets = {"data.window_length": "4096", "train.warmup_steps": "4", "train.segment_from": "0"}
     assert main(["train", *tiny(tmp_path / "a", bundled_store, 8, **sets,
                                 **{"train.segment": "null"}), "--quiet"]) == 0
     assert main(["train", *tiny(tmp_path / "b", bundled_store, 8, **sets,
@@ -211,6 +207,41 @@ def test_a_window_past_train_segment_is_walked_and_trains_as_the_whole_window(bu
                                 **{"train.segment": "1024", "model.overrides.indexer_mode": "dense"}),
                  "--quiet"]) == 0
     assert {row["segments"] for row in read_train_log(tmp_path / "c" / "runs" / "tiny").values()} == {1}
+    # and a window no longer than train.segment_from runs whole
+    assert main(["train", *tiny(tmp_path / "d", bundled_store, 1, **{**sets, "train.segment": "1024",
+                                                                   "train.segment_from": "4096"}),
+                 "--quiet"]) == 0
+    assert {row["segments"] for row in read_train_log(tmp_path / "d" / "runs" / "tiny").values()} == {1}
+
+
+def _kill_once_past(cmd: list[str], run, step: str) -> int:
+    """Start ``cmd``, SIGKILL it once ``run`` has a checkpoint at ``step`` or later; the number of
+    log rows it had written."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    latest = run / "checkpoints" / "latest"
+    while proc.poll() is None and not (latest.is_file() and latest.read_text().strip() >= step):
+        time.sleep(0.02)
+    rows = len(read_train_log(run))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    return rows
+
+
+def test_a_walked_run_resumes_bit_for_bit(bundled_store, tmp_path):
+    """A run walked in segments, killed and resumed, logs the uninterrupted run's losses exactly."""
+    steps = 12
+    sets = {"data.window_length": "4096", "train.segment": "1024", "train.segment_from": "0"}
+    assert main(["train", *tiny(tmp_path / "a", bundled_store, steps, **sets), "--quiet"]) == 0
+    whole = loss_curve(tmp_path / "a" / "runs" / "tiny")
+    args = tiny(tmp_path / "b", bundled_store, steps, **sets)
+    run = tmp_path / "b" / "runs" / "tiny"
+    killed_at = _kill_once_past([sys.executable, "-m", "megabase.pipeline.cli", "train", *args,
+                                 "--quiet"], run, "step-000004")
+    assert killed_at < steps
+    assert main(["train", *args, "--resume", "--quiet"]) == 0
+    assert {row["segments"] for row in read_train_log(run).values()} == {4}
+    np.testing.assert_array_equal(loss_curve(run), whole)
 
 
 def test_max_minutes_stops_early_with_a_checkpoint_and_says_so(bundled_store, tmp_path, capsys):
