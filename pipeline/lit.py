@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -133,9 +132,8 @@ class LitLM(pl.LightningModule):
         ctx = self.model.context(dense_warmup=warm)
         self._segments = self.segments(ids.shape[1], ctx)
         if self._segments > 1:
-            with self._walk_progress(ids.shape[1]) as between:
-                out = walked_forward(self.model, ids, targets, mask, self.cfg.train.segment, ctx,
-                                     between)
+            out = walked_forward(self.model, ids, targets, mask, self.cfg.train.segment, ctx,
+                                 self._between_segments(ids.shape[1]))
         else:
             out = self.model(ids, targets, loss_mask=mask, ctx=ctx)
         step = objective(out, self.layout)
@@ -167,26 +165,26 @@ class LitLM(pl.LightningModule):
             return 1
         return len(segment_bounds(length, t.segment))
 
-    @contextlib.contextmanager
-    def _walk_progress(self, length: int):
-        """What runs between a walked step's segment passes: on a CPU, the heap handed back to the
-        OS (a segment's freed activations otherwise stay in glibc's heap, and the next segments
-        add to it: at 262,144 tokens 4.6 GB resident instead of ~2); on rank 0 with progress on,
-        the step's segments counted (a bar on a terminal, lines in a log), so a step of minutes
-        shows it moves."""
+    def _between_segments(self, length: int):
+        """What runs after each of a walked step's segment passes (its forward's and, later, its
+        backward's): on a CPU, the heap handed back to the OS (a segment's freed activations
+        otherwise stay in glibc's heap and the next segments add to theirs: at 262,144 tokens
+        4.6 GB resident instead of 2.3); on rank 0 with progress on, the passes counted (a bar on
+        a terminal, lines in a log), so a step of minutes shows that it moves."""
         trim = heap_trimmer() if self.device.type == "cpu" else None
-        bar = Progress(2 * self._segments, f"step {self.global_step + 1} ({length:,} tokens)",
-                       "segment", enabled=self.progress and self.trainer.is_global_zero)
+        total = 2 * self._segments
+        bar = Progress(total, f"step {self.global_step + 1} ({length:,} tokens, forward + backward)",
+                       "segment",
+                       enabled=self.progress and self.trainer.is_global_zero)
 
         def between():
             if trim is not None:
                 trim()
             bar.update(1)
+            if bar.n == total:  # the backward's last pass: the step's walk is done
+                bar.close()
 
-        try:
-            yield between
-        finally:
-            bar.close()
+        return between
 
     def _plant_repeats(self, targets: torch.Tensor, frac: float, micro: int):
         """The synthetic-repeat curriculum on a batch's targets ``[B, L]``: new ``(input_ids,

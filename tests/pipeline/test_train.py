@@ -214,6 +214,18 @@ def test_a_window_past_train_segment_is_walked_and_trains_as_the_whole_window(bu
     assert {row["segments"] for row in read_train_log(tmp_path / "d" / "runs" / "tiny").values()} == {1}
 
 
+def test_a_walked_step_shows_its_segments_move(bundled_store, tmp_path, capsys, monkeypatch):
+    """In a log (stderr not a terminal) a walked step prints lines as its segments pass, forward
+    then backward, and one closing line when its backward is done."""
+    monkeypatch.setenv("MEGABASE_PROGRESS_EVERY_S", "0")
+    sets = {"data.window_length": "4096", "train.segment": "1024", "train.segment_from": "0"}
+    assert main(["train", *tiny(tmp_path, bundled_store, 1, **sets)]) == 0
+    err = capsys.readouterr().err
+    passes = re.findall(r"step 1 \(4,096 tokens, forward \+ backward\): (\d)/8 segments", err)
+    assert [int(n) for n in passes] == list(range(1, 9))
+    assert "step 1 (4,096 tokens, forward + backward): 8 segments done in" in err
+
+
 def _kill_once_past(cmd: list[str], run, step: str) -> int:
     """Start ``cmd``, SIGKILL it once ``run`` has a checkpoint at ``step`` or later; the number of
     log rows it had written."""
