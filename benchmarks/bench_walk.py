@@ -66,7 +66,7 @@ def child(form: str, n: int, preset: str, store: str | None, segment: int,
     ids, targets = tokens[:, :-1], tokens[:, 1:]
     mask = targets < 4
     start = time.perf_counter()
-    if form == "old" or (form == "new" and n <= max(segment, FROM)):
+    if form == "old" or (form == "new" and not TrainConfig(segment=segment).walks(n)):
         out = model(ids, targets, loss_mask=mask)
     else:  # as the trainer walks it: the heap handed back between segments
         out = walked_forward(model, ids, targets, mask, segment, between=heap_trimmer())

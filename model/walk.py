@@ -55,7 +55,7 @@ class Walk:
     directions: kept in the forward (``tails``, ``states``, ``keys``, the balance loss's counts) and
     sent back in the backward (their gradients)."""
 
-    def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]]):
+    def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]], between=None):
         self.ids, self.bounds, self.T = ids, bounds, ids.shape[1]
         self.tails: dict = {}  # (key, segment) -> the segment's last rows of a layer's input
         self.states: dict = {}  # (key, segment) -> the KDA state at the segment's start
@@ -67,7 +67,7 @@ class Walk:
         self.state_grads: dict = {}  # (key, segment) -> gradient of the segment's final state
         self.roots: list[tuple[torch.Tensor, torch.Tensor]] = []  # this segment's boundary outputs
         self.leaves: list[tuple[torch.Tensor, dict, tuple]] = []  # and inputs, where their grad goes
-        self.between = lambda: None  # called after each segment's pass
+        self.between = between or (lambda: None)  # called after each segment's pass
 
     def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
         self.roots.append((output, grad))
@@ -265,8 +265,7 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
         raise ValueError(reason)
     if loss_mask is None:
         loss_mask = torch.ones_like(targets, dtype=torch.bool)
-    walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment))
-    walk.between = between or (lambda: None)
+    walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment), between)
     params = [p for p in model.parameters() if p.requires_grad]
     report: dict = {}
     lm, aux = _Walked.apply(walk, model, targets, loss_mask, ctx, report, *params)

@@ -94,6 +94,12 @@ class TrainConfig:
     num_nodes: int = 1
     context_parallel: int = 1
 
+    def walks(self, length: int) -> bool:
+        """Whether a window of ``length`` tokens is walked in segments (past ``segment_from``, and
+        longer than one segment); the trainer runs whole what :func:`megabase.model.walk.unwalkable`
+        refuses."""
+        return self.segment is not None and length > max(self.segment, self.segment_from)
+
 
 @dataclass
 class TrackingConfig:

@@ -25,6 +25,7 @@ whose step cannot fit, naming the knob that would make it fit; GPU runs are left
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from megabase.core.errors import InputError
+from megabase.model.walk import border_bytes
 
 from .config import RunConfig, model_config
 from .memory import apply_recompute, heap_trimmer
@@ -116,7 +118,7 @@ class Probe:
         """Peak bytes above the start of a forward and backward of ``[batch, length]``."""
         if recompute not in self._fits:
             model = self.model if recompute == "none" else apply_recompute(
-                _copy(self.model), recompute)
+                copy.deepcopy(self.model), recompute)
             self._step(model, batch, PROBE // 8)  # first-call costs (kernels, pools) out of the fit
             peaks = [self._step(model, batch, n) for n in (PROBE, 2 * PROBE)]
             slope = max(peaks[1] - peaks[0], 0) / (PROBE * batch)
@@ -125,8 +127,6 @@ class Probe:
         return int(c + a * batch * length)
 
     def borders(self, batch: int, length: int) -> int:
-        from megabase.model.walk import border_bytes
-
         if self._borders is None:
             self._borders = border_bytes(self.model)
         b = self._borders
@@ -149,7 +149,6 @@ class Probe:
         model.zero_grad(set_to_none=True)
         return peak
 
-
     def close(self) -> None:
         """Free the probe's model and hand its memory back before the run builds its own (the
         peak RSS is reset too, so the run's logged peak is its own)."""
@@ -159,19 +158,12 @@ class Probe:
         _reset_peak()
 
 
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)
-
-
 def step_need(probe: Probe, cfg: RunConfig, length: int | None = None) -> Need:
     """The estimated peak of one training step of ``cfg`` at ``length`` tokens (default its
     window), for one process."""
     t = cfg.train
     length = cfg.data.window_length if length is None else length
-    walked = t.segment is not None and length > max(t.segment, t.segment_from) \
-        and cfg.train.context_parallel == 1 and t.indexer_warmup_steps == 0
+    walked = t.walks(length) and t.context_parallel == 1 and t.indexer_warmup_steps == 0
     batch = t.batch_size // max(1, t.devices * t.num_nodes // t.context_parallel)
     shard = length // t.context_parallel
     now, moments = probe.now, 3 * probe.params

@@ -160,8 +160,7 @@ class LitLM(pl.LightningModule):
         (:mod:`megabase.model.walk`) where it can be (not the dense indexer's steps, not a
         context-parallel shard yet: those run whole)."""
         t = self.cfg.train
-        if t.segment is None or length <= max(t.segment, t.segment_from) \
-                or unwalkable(self.model, ctx):
+        if not t.walks(length) or unwalkable(self.model, ctx):
             return 1
         return len(segment_bounds(length, t.segment))
 

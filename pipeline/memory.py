@@ -8,6 +8,8 @@ are unchanged, so checkpoints load with or without the knobs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -94,9 +96,11 @@ def apply_offload(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Modu
     return wrap(model, Offloaded) if enabled else model
 
 
+@functools.cache
 def heap_trimmer():
     """glibc's ``malloc_trim(0)`` as a function of no arguments, or None where there is none (not
-    Linux): it hands the heap's freed pages back to the OS."""
+    Linux): it hands the heap's freed pages back to the OS. Looked up once (``find_library`` runs
+    ``ldconfig``), not per step."""
     import ctypes
     import ctypes.util
 
