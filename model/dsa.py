@@ -22,6 +22,10 @@ from .context import DEFAULT, Context
 from .layers import HeadProjections, Linear, RMSNorm
 
 
+def _call(fn):
+    return fn()
+
+
 class DSALayer(HeadProjections):
     """``[B, T, d] -> [B, T, d]``: each token attends to ``topk`` earlier tokens chosen by an indexer.
 
@@ -89,7 +93,7 @@ class DSALayer(HeadProjections):
         else:
             k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
             o, kl = self.attend(q, k, v, qi, ki, wi, offset, ctx.seeds, ctx.selections,
-                                self._train_indexer(ctx))
+                                self._train_indexer(ctx), seq.key_grads(), seq.select)
         y = self.o_proj(o.reshape(B, T, self.HQ * self.D), u)
         if kl is None:
             return y, x.new_zeros((), dtype=torch.float), None
@@ -143,22 +147,28 @@ class DSALayer(HeadProjections):
         return ctx.train_indexer or (self.training and torch.is_grad_enabled())
 
     def attend(self, q, k, v, qi, ki, wi, offset: int = 0, seeds: torch.Tensor | None = None,
-               selections: "SelectionCapture | None" = None, kl: bool = False):
+               selections: "SelectionCapture | None" = None, kl: bool = False,
+               key_grads: tuple[torch.Tensor, ...] | None = None, select=_call):
         """Sparse attention of queries at positions ``offset..offset+Tq`` over keys ``0..Tk``:
         ``(o [B, Tq, HQ, D], the indexer's KL averaged over the queries, or None without
-        ``kl``)``; ``selections`` records the top-k of the queries it covers."""
+        ``kl``)``; ``selections`` records the top-k of the queries it covers. ``key_grads``: the
+        buffers ``(dk, dv, dk_idx)`` the backward adds the keys' gradients into (a walk's), or
+        None; ``select``: called with the indexer's call, returns the selections (the
+        sequence's ``select``)."""
         cfg = self.cfg
         backend = cfg.dsa_backend
         stage = None if self.stage is None else self.stage.encode()
-        idx = dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block, offset, backend,
-                             stage, seeds)
+        idx = select(lambda: dsa_indexer_op(qi, ki, wi, cfg.topk, cfg.keep_recent, cfg.dsa_block,
+                                             offset, backend, stage, seeds))
         if selections is not None:
             selections.add(idx, offset)
+        sinks = (None, None) if key_grads is None else (key_grads[:2], key_grads[2:])
         if not kl:
-            return sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend), None
+            return sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, backend=backend,
+                                    key_grads=sinks[0]), None
         o, p = sparse_attention(q, k, v, idx, block_q=cfg.dsa_block, return_probs=True,
-                                backend=backend)
-        return o, indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend)
+                                backend=backend, key_grads=sinks[0])
+        return o, indexer_kl_sparse(qi, ki, wi, idx, p, backend=backend, key_grads=sinks[1])
 
     def attend_dense(self, q, k, v, qi, ki, wi, kl: bool = False):
         """The indexer warm-up: dense causal attention, the indexer trained toward its weights

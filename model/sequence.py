@@ -7,7 +7,10 @@ border, and each layer calls them on its call's ``Context.sequence``:
   inputs); ``None`` at the start of the sequence, where the layer pads.
 * ``prefix(*xs)``: keys of every shard up to and including this one (the DSA layer's keys and
   values), with ``offset``, the position of this shard's first row; ``prefix_tokens(ids)`` the
-  same for tokens (the DSA candidate stage's seeds read them).
+  same for tokens (the DSA candidate stage's seeds read them); ``key_grads()``: where the kernels
+  add the gradients of the keys ``prefix`` returned (None: autograd carries them back);
+  ``select(indexer)``: the DSA indexer's top-k of this part's queries (a walk runs the indexer
+  once per segment, in its forward, and keeps what it chose for the backward).
 * ``kda(...)``: the KDA op over the whole sequence.
 * ``balance(loss, load, share, T)``: the MoE sequence-wise balance loss of the whole sequence from
   this part's counts and scores; ``fraction(T)``: this part's share of the sequence's queries (the
@@ -41,6 +44,17 @@ class OneProcess:
         """Each ``x [B, T, ...]`` extended by the rows of the shards before it: ``[B, offset + T,
         ...]``. Here the shard is the sequence."""
         return xs
+
+    def key_grads(self) -> tuple[torch.Tensor, ...] | None:
+        """Buffers ``[B, >= offset + T, ...]``, one per tensor the last ``prefix`` call returned,
+        into which the backward adds their gradients (the kernels' ``key_grads``), or None: the
+        kernels return them through autograd, as here."""
+        return None
+
+    def select(self, indexer) -> torch.Tensor:
+        """The selections ``[B, T, topk]`` of this part's queries: ``indexer()``, the call that
+        computes them."""
+        return indexer()
 
     def prefix_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [B, T]`` of this shard preceded by those of every shard before it."""

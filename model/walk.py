@@ -13,7 +13,8 @@ scoring does, and keeps only what crosses from a segment to the next:
   outputs (with the gradients later segments sent back to them) gives its share of the parameter
   gradients and the gradients of its own boundary inputs, which go to the segment before it. The
   DSA keys and values of earlier positions that a segment's queries selected get their gradient
-  added into a whole-window buffer, which the segment that made them reads when its turn comes.
+  added into a whole-window buffer by the kernels, in place, which the segment that made them
+  reads when its turn comes.
 
 This is context parallelism laid out in time: a :class:`Segment` is the
 :mod:`megabase.model.sequence` interface (``before``, ``prefix``, ``kda``, ``balance``) for one
@@ -61,6 +62,7 @@ class Walk:
         self.states: dict = {}  # (key, segment) -> the KDA state at the segment's start
         self.keys: dict = {}  # key -> [B, T, ...] buffers of keys / values / index keys
         self.key_grads: dict = {}  # key -> their gradients, summed over later queries
+        self.selected: dict = {}  # (key, segment) -> the indexer's top-k, int32, forward to backward
         self.counts: dict = {}  # key -> the window's expert counts (balance loss)
         self.shares: dict = {}  # key -> (loss function, the window's summed shares)
         self.tail_grads: dict = {}  # (key, segment) -> gradient of the segment's last rows
@@ -89,6 +91,7 @@ class Segment(OneProcess):
         self.start, self.end = walk.bounds[index]
         self.last = index == len(walk.bounds) - 1
         self.calls: list = []  # what each call returned, in order (a recompute replays them)
+        self.sinks = None  # the key gradient buffers of this layer's prefix (the backward's pass)
         self.sealed = False
         self.replayed = 0
         self.views: dict[int, Segment] = {}
@@ -167,12 +170,25 @@ class Segment(OneProcess):
             return self._keep("prefix", tuple(buf[:, : self.end] for buf in buffers))
         if key not in w.key_grads:
             w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
-        grads = w.key_grads[key]
-        if not self.last:
-            for x, g in zip(xs, grads):
-                if x.requires_grad:
-                    w.root(x, g[:, self.start : self.end].clone())
-        return self._keep("prefix", _Prefix.apply(self.start, buffers, grads, *xs))
+        self.sinks = w.key_grads[key]
+        return self._keep("prefix", _Prefix.apply(self.start, buffers, self.sinks, *xs))
+
+    def key_grads(self) -> list[torch.Tensor] | None:
+        """In the backward's pass, the window's gradient buffers of the keys ``prefix`` returned:
+        the kernels add into them where the rows are (earlier segments' rows and this one's)."""
+        return self.sinks
+
+    def select(self, indexer) -> torch.Tensor:
+        """The forward's pass runs ``indexer()`` and keeps its top-k (int32); the backward's pass
+        takes them back instead of selecting again."""
+        key, replay = self._next("select")
+        if key is None:
+            return replay
+        if not self.grad:
+            idx = indexer()
+            self.walk.selected[key, self.index] = idx.to(torch.int32)
+            return self._keep("select", idx)
+        return self._keep("select", self.walk.selected.pop((key, self.index)).long())
 
     def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
         """The KDA op over this segment from the state the previous one ended in (a leaf in the
@@ -218,23 +234,23 @@ class Segment(OneProcess):
 
 class _Prefix(torch.autograd.Function):
     """``x [B, T_s, ...]`` -> the window buffer's rows ``[:, :end]`` (earlier segments', then
-    ``x``'s); the gradient of the earlier rows is added into ``grads``, ``x`` gets its own rows'."""
+    ``x``'s). The gradient of those rows gathers in ``grads`` (``[B, T, ...]``): the kernels add
+    into it in place (``Segment.key_grads``), and a gradient that reaches this node is added too;
+    ``x`` gets its own rows' sum, which holds what the later segments' queries added before."""
 
     @staticmethod
     def forward(ctx, start, buffers, grads, *xs):
         ctx.start, ctx.grads, ctx.lengths = start, grads, [x.shape[1] for x in xs]
+        ctx.set_materialize_grads(False)  # a kernel that added in place sends none
         return tuple(buf[:, : start + x.shape[1]] for buf, x in zip(buffers, xs))
 
     @staticmethod
     def backward(ctx, *outs):
         start, ins = ctx.start, []
         for g, acc, n in zip(outs, ctx.grads, ctx.lengths):
-            if g is None:
-                ins.append(None)
-                continue
-            if start:
-                acc[:, :start] += g[:, :start]
-            ins.append(g[:, start : start + n])
+            if g is not None:
+                acc[:, : start + n] += g
+            ins.append(acc[:, start : start + n].clone())
         return (None, None, None, *ins)
 
 
@@ -353,9 +369,11 @@ class _Walked(torch.autograd.Function):
 def border_bytes(model, length: int = 64) -> dict[str, int]:
     """Bytes per window token that a walked step of ``model`` keeps whatever its segment size,
     read from a no-grad walk of two ``length``-token segments of a probe window: ``keys`` (every
-    DSA layer's key, value and index-key buffers; their gradients take as much again), ``layer``
-    (the largest one layer's: its prefix gradient is one full-window tensor in its segment's
-    backward), ``report`` (the per-token outputs gathered over the window: NLL, mask, routing)."""
+    DSA layer's key, value and index-key buffers; their gradients take as much again),
+    ``selected`` (the indexer's top-k, kept from the forward for the backward), ``layer`` (the
+    largest one layer's keys: where the C kernels are not built, the backward makes their
+    gradient as one full-window tensor per segment), ``report`` (the per-token outputs gathered
+    over the window: NLL, mask, routing)."""
     ids = torch.zeros(1, 2 * length, dtype=torch.long)
     walk = Walk(ids, segment_bounds(2 * length, length))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -365,5 +383,6 @@ def border_bytes(model, length: int = 64) -> dict[str, int]:
     per_layer = [sum(b[0, 0].numel() * b.element_size() for b in bufs) for bufs in walk.keys.values()]
     per_token = [t for v in report.values() for t in (v if isinstance(v, list) else [v])
                  if torch.is_tensor(t) and t.dim() > 1 and t.shape[1] == 2 * length]
-    return {"keys": sum(per_layer), "layer": max(per_layer, default=0),
+    selected = sum(t[0].numel() * t.element_size() for t in walk.selected.values()) // (2 * length)
+    return {"keys": sum(per_layer), "selected": selected, "layer": max(per_layer, default=0),
             "report": sum(t[0, 0].numel() * t.element_size() for t in per_token)}

@@ -75,16 +75,29 @@ def dsa_indexer(q_idx, k_idx, w_idx=None, topk: int = 2048, scale=None, keep_rec
 
 
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
-                     return_probs: bool = False, backend: str = "auto"):
+                     return_probs: bool = False, backend: str = "auto", key_grads=None):
     """Softmax attention of each query over its selected keys: ``o [B, Tq, HQ, DV]``
-    (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``)."""
+    (and the head-summed, normalised probabilities ``[B, Tq, topk]`` with ``return_probs``).
+
+    ``key_grads``: None, or buffers ``(dk, dv)`` of ``[B, >= Tk, ...]`` into which the backward
+    adds the gradients of ``k`` and ``v`` (rows ``0..Tk``) instead of returning them (a walked
+    window's gradient buffers, :mod:`megabase.model.walk`): the C kernel adds where the rows are,
+    with no full-length tensor made per call; the other backends add through autograd."""
     impl = _impl(backend, q)
     _check_attention(q, k, v, indices)
+    if key_grads is None:
+        return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
+    _check_key_grads(key_grads, k, v)
+    if impl is cpu:
+        return cpu.sparse_attention(q, k, v, indices, scale, block_q, return_probs, key_grads)
+    k, v = (reference.grad_into(x, buf) for x, buf in zip((k, v), key_grads))
     return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
 
 
-def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto"):
-    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries."""
+def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend: str = "auto",
+                      key_grads=None):
+    """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
+    ``key_grads``: None, or ``(dk_idx,)``, as :func:`sparse_attention`'s."""
     impl = _impl(backend, q_idx)
     _check_selection(indices, q_idx, k_idx)
     B, Tq, HI, DI = q_idx.shape
@@ -93,7 +106,23 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend:
         raise ValueError(f"indexer loss inputs do not match: q_idx {tuple(q_idx.shape)}, k_idx "
                          f"{tuple(k_idx.shape)}, indices {tuple(indices.shape)}, target "
                          f"{tuple(target.shape)}")
-    return impl.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+    if key_grads is None:
+        return impl.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
+    _check_key_grads(key_grads, k_idx)
+    if impl is cpu:
+        return cpu.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale,
+                                     key_grads=key_grads)
+    return impl.indexer_kl_sparse(q_idx, reference.grad_into(k_idx, key_grads[0]), w_idx, indices,
+                                  target, scale)
+
+
+def _check_key_grads(buffers, *keys: torch.Tensor) -> None:
+    """One gradient buffer per key tensor, of its batch and row shape and at least its rows."""
+    if len(buffers) != len(keys) or any(
+            b.shape[0] != x.shape[0] or b.shape[2:] != x.shape[2:] or b.shape[1] < x.shape[1]
+            for b, x in zip(buffers, keys)):
+        raise ValueError(f"key gradient buffers {[tuple(b.shape) for b in buffers]} do not fit "
+                         f"keys {[tuple(x.shape) for x in keys]}")
 
 
 def _check_indexer(q_idx, k_idx, w_idx, offset: int) -> None:

@@ -7,9 +7,12 @@
  * of the sparse indexer loss). The backward recomputes p from lse (flash-style):
  *     ds_i = p_i (dO . v_s - dO . o) scale,  dq += ds_i k_s,  dk_s += ds_i q,  dv_s += p_i dO.
  * The forward runs query rows in parallel; the backward runs key/value heads in parallel, so each
- * thread alone adds into its head's dk and dv. Sums are fp32, as the reference's.
+ * thread alone adds into its head's dk and dv. The backward adds into dk and dv, which hold Tg >= Tk
+ * rows per sequence: a walked window's gradient buffers take the keys' gradients where they are,
+ * with no full-length tensor made per call. Sums are fp32, as the reference's.
  *
- * Layouts (fp32, contiguous): q, dq [R, HQ, D]; k, dk [B * Tk, H, D]; v, dv [B * Tk, H, DV];
+ * Layouts (fp32, contiguous): q, dq [R, HQ, D]; k [B * Tk, H, D], dk [B * Tg, H, D]; v [B * Tk,
+ * H, DV], dv [B * Tg, H, DV];
  * o, dO [R, HQ, DV]; lse [R, HQ]; probs [R, K]; idx [R, K] int64, -1 for no key.
  */
 #include <math.h>
@@ -93,13 +96,11 @@ int megabase_dsa_attention_forward(const float *q, const float *k, const float *
 
 int megabase_dsa_attention_backward(const float *q, const float *k, const float *v,
                                     const int64_t *idx, const float *o, const float *lse,
-                                    const float *dO, int64_t R, int64_t Tq, int64_t Tk,
+                                    const float *dO, int64_t R, int64_t Tq, int64_t Tk, int64_t Tg,
                                     int64_t HQ, int64_t H, int64_t D, int64_t DV, int64_t K,
                                     float scale, float *dq, float *dk, float *dv, int threads) {
     const int64_t G = HQ / H;
     memset(dq, 0, (size_t)(R * HQ * D) * sizeof *dq);
-    memset(dk, 0, (size_t)(R / Tq * Tk * H * D) * sizeof *dk);
-    memset(dv, 0, (size_t)(R / Tq * Tk * H * DV) * sizeof *dv);
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t h = 0; h < H; h++) {
@@ -109,21 +110,23 @@ int megabase_dsa_attention_backward(const float *q, const float *k, const float 
             continue;
         }
         for (int64_t r = 0; r < R; r++) {
-            const int64_t base = r / Tq * Tk, *ir = idx + r * K, x0 = r * HQ + h * G;
+            const int64_t base = r / Tq * Tk, gbase = r / Tq * Tg, *ir = idx + r * K;
+            const int64_t x0 = r * HQ + h * G;
             for (int64_t g = 0; g < G; g++) delta[g] = dot(dO + (x0 + g) * DV, o + (x0 + g) * DV, DV);
             for (int64_t i = 0; i < K; i++) {
                 if (i + AHEAD < K && ir[i + AHEAD] >= 0) {
                     const int64_t ahead = (base + ir[i + AHEAD]) * H + h;
+                    const int64_t gahead = (gbase + ir[i + AHEAD]) * H + h;
                     prefetch_rows(k, ahead, D, 0);
                     prefetch_rows(v, ahead, DV, 0);
-                    prefetch_rows(dk, ahead, D, 1);
-                    prefetch_rows(dv, ahead, DV, 1);
+                    prefetch_rows(dk, gahead, D, 1);
+                    prefetch_rows(dv, gahead, DV, 1);
                 }
                 if (ir[i] < 0) continue;
                 /* one key/value row for the G query heads that share it */
-                const int64_t row = (base + ir[i]) * H + h;
+                const int64_t row = (base + ir[i]) * H + h, grow = (gbase + ir[i]) * H + h;
                 const float *kr = k + row * D, *vr = v + row * DV;
-                float *dkr = dk + row * D, *dvr = dv + row * DV;
+                float *dkr = dk + grow * D, *dvr = dv + grow * DV;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t x = x0 + g;
                     const float *qr = q + x * D, *dor = dO + x * DV;
@@ -143,38 +146,30 @@ int megabase_dsa_attention_backward(const float *q, const float *k, const float 
     return failed ? -1 : 0;
 }
 
-/* The sparse indexer loss and its gradient in one pass: for each query row r,
+/* The sparse indexer loss, for each query row r:
  *     a_j,i = scale * q_idx[r, j] . k_idx[s_i],  I_i = sum_j w[r, j] relu(a_j,i),
- *     KL_r = sum_i p_i (log p_i - log softmax(I)_i)   over the selected slots, p = target[r];
- * with dI_i = softmax(I)_i sum(p) - p_i it adds the gradients of sum_r KL_r to dq [R, HI, DI],
- * dw [R, HI] and dk [B * Tk, DI] (rows in parallel; each thread adds keys into its own copy of dk,
- * summed at the end). Returns the sum in *total (fp64). w NULL: every index head weighs 1.
+ *     KL_r = sum_i p_i (log p_i - log softmax(I)_i)   over the selected slots, p = target[r].
+ * The forward returns sum_r KL_r in *total (fp64) and, where di is not NULL, dI [R, K]:
+ * dI_i = softmax(I)_i sum(p) - p_i (0 in empty slots), all the backward needs besides the inputs.
+ * w NULL: every index head weighs 1.
  */
 int megabase_dsa_indexer_kl(const float *q, const float *kk, const float *w, const int64_t *idx,
                             const float *target, int64_t R, int64_t Tq, int64_t Tk, int64_t HI,
-                            int64_t DI, int64_t K, float scale, double *total, float *dq,
-                            float *dk, float *dw, int threads) {
-    const int64_t nk = R / Tq * Tk * DI;
-    float *dks = calloc((size_t)threads * (size_t)nk, sizeof(float));
-    if (!dks) return -1;
+                            int64_t DI, int64_t K, float scale, double *total, float *di,
+                            int threads) {
     double sum = 0.0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sum)
     {
-#ifdef _OPENMP
-        float *dkt = dks + (size_t)omp_get_thread_num() * (size_t)nk;
-#else
-        float *dkt = dks;
-#endif
-        float *a = malloc((size_t)(K * HI + K) * sizeof(float));
-        int ok = a != NULL;
+        float *I = malloc((size_t)K * sizeof(float));
+        int ok = I != NULL;
         if (!ok) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             if (!ok) continue;
             const int64_t base = r / Tq * Tk, *ir = idx + r * K;
             const float *qr = q + r * HI * DI, *pr = target + r * K;
-            float *I = a + K * HI, m = -INFINITY, psum = 0.0f;
+            float m = -INFINITY, psum = 0.0f;
             for (int64_t i = 0; i < K; i++) {
                 if (ir[i] < 0) continue;
                 if (i + AHEAD < K && ir[i + AHEAD] >= 0)
@@ -183,16 +178,13 @@ int megabase_dsa_indexer_kl(const float *q, const float *kk, const float *w, con
                 I[i] = 0.0f;
                 for (int64_t j = 0; j < HI; j++) {
                     const float aj = scale * dot(qr + j * DI, kr, DI);
-                    a[i * HI + j] = aj;
                     I[i] += (w ? w[r * HI + j] : 1.0f) * (aj > 0.0f ? aj : 0.0f);
                 }
                 m = I[i] > m ? I[i] : m;
                 psum += pr[i];
             }
-            for (int64_t j = 0; j < HI; j++) {
-                dw[r * HI + j] = 0.0f;
-                for (int64_t d = 0; d < DI; d++) dq[(r * HI + j) * DI + d] = 0.0f;
-            }
+            float *dr = di ? di + r * K : NULL;
+            if (dr) memset(dr, 0, (size_t)K * sizeof *dr);
             if (m == -INFINITY) continue;
             float z = 0.0f;
             for (int64_t i = 0; i < K; i++)
@@ -202,32 +194,68 @@ int megabase_dsa_indexer_kl(const float *q, const float *kk, const float *w, con
                 if (ir[i] < 0) continue;
                 const float logq = I[i] - logz, p = pr[i];
                 if (p > 0.0f) sum += (double)p * (double)(logf(p) - logq);
-                const float di = expf(logq) * psum - p;
-                const float *kr = kk + (base + ir[i]) * DI;
-                float *dkr = dkt + (base + ir[i]) * DI;
+                if (dr) dr[i] = expf(logq) * psum - p;
+            }
+        }
+        free(I);
+    }
+    *total = sum;
+    return failed ? -1 : 0;
+}
+
+/* The indexer loss's gradients, scaled by g, from the forward's dI: dq [R, HI, DI] and dw [R, HI]
+ * are written, and the key gradients are added into dk, which holds Tg >= Tk rows per sequence
+ * (as the attention's backward). dq and dw run query rows in parallel. dk runs in parallel by
+ * key: a thread adds only into the keys it owns (16-row groups, round robin), visiting the
+ * slots in query order, so each key's sum has one order whatever the number of threads.
+ */
+int megabase_dsa_indexer_kl_backward(const float *q, const float *kk, const float *w,
+                                     const int64_t *idx, const float *di, int64_t R, int64_t Tq,
+                                     int64_t Tk, int64_t Tg, int64_t HI, int64_t DI, int64_t K,
+                                     float scale, float g, float *dq, float *dk, float *dw,
+                                     int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t base = r / Tq * Tk, *ir = idx + r * K;
+        const float *qr = q + r * HI * DI;
+        memset(dq + r * HI * DI, 0, (size_t)(HI * DI) * sizeof *dq);
+        memset(dw + r * HI, 0, (size_t)HI * sizeof *dw);
+        for (int64_t i = 0; i < K; i++) {
+            if (ir[i] < 0 || di[r * K + i] == 0.0f) continue;
+            const float d = g * di[r * K + i], *kr = kk + (base + ir[i]) * DI;
+            for (int64_t j = 0; j < HI; j++) {
+                const float aj = scale * dot(qr + j * DI, kr, DI);
+                if (aj <= 0.0f) continue;
+                dw[r * HI + j] += d * aj;
+                const float da = d * (w ? w[r * HI + j] : 1.0f) * scale;
+                float *dqj = dq + (r * HI + j) * DI;
+                for (int64_t x = 0; x < DI; x++) dqj[x] += da * kr[x];
+            }
+        }
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int64_t t = 0, n = 1;
+#endif
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t base = r / Tq * Tk, gbase = r / Tq * Tg, *ir = idx + r * K;
+            const float *qr = q + r * HI * DI;
+            for (int64_t i = 0; i < K; i++) {
+                if (ir[i] < 0 || (ir[i] >> 4) % n != t || di[r * K + i] == 0.0f) continue;
+                const float d = g * di[r * K + i], *kr = kk + (base + ir[i]) * DI;
+                float *dkr = dk + (gbase + ir[i]) * DI;
                 for (int64_t j = 0; j < HI; j++) {
-                    const float aj = a[i * HI + j], wj = w ? w[r * HI + j] : 1.0f;
+                    const float aj = scale * dot(qr + j * DI, kr, DI);
                     if (aj <= 0.0f) continue;
-                    dw[r * HI + j] += di * aj;
-                    const float da = di * wj * scale;
+                    const float da = d * (w ? w[r * HI + j] : 1.0f) * scale;
                     const float *qj = qr + j * DI;
-                    float *dqj = dq + (r * HI + j) * DI;
-                    for (int64_t d = 0; d < DI; d++) {
-                        dqj[d] += da * kr[d];
-                        dkr[d] += da * qj[d];
-                    }
+                    for (int64_t x = 0; x < DI; x++) dkr[x] += da * qj[x];
                 }
             }
         }
-        free(a);
     }
-    /* the threads' key gradients, summed in a fixed order */
-    for (int64_t x = 0; x < nk; x++) {
-        float s = 0.0f;
-        for (int t = 0; t < threads; t++) s += dks[(size_t)t * (size_t)nk + x];
-        dk[x] = s;
-    }
-    free(dks);
-    *total = sum;
-    return failed ? -1 : 0;
+    return 0;
 }

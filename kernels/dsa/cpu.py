@@ -42,8 +42,10 @@ def _indexer_lib():
 def _attention_lib():
     return native.bind(str(Path(__file__).with_name("attention.c")), {
         "megabase_dsa_attention_forward": [_P] * 4 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
-        "megabase_dsa_attention_backward": [_P] * 7 + [_I] * 8 + [_F] + [_P] * 3 + [ctypes.c_int],
-        "megabase_dsa_indexer_kl": [_P] * 5 + [_I] * 6 + [_F] + [_P] * 4 + [ctypes.c_int],
+        "megabase_dsa_attention_backward": [_P] * 7 + [_I] * 9 + [_F] + [_P] * 3 + [ctypes.c_int],
+        "megabase_dsa_indexer_kl": [_P] * 5 + [_I] * 6 + [_F] + [_P] * 2 + [ctypes.c_int],
+        "megabase_dsa_indexer_kl_backward": [_P] * 5 + [_I] * 7 + [_F] * 2 + [_P] * 3
+        + [ctypes.c_int],
     }, native.REASSOCIATE)
 
 
@@ -158,12 +160,28 @@ def seed_keys(tokens: torch.Tensor, offset: int, stage: Stage) -> torch.Tensor:
     return out[..., : most.value].contiguous().to(tokens.device)
 
 
+def _sink(buffer: torch.Tensor | None, like: torch.Tensor) -> bool:
+    """Whether the C backward can add ``like``'s gradient into ``buffer`` where it is: fp32,
+    contiguous, the batch and row shape of ``like`` and at least its rows."""
+    return (buffer is not None and buffer.dtype == torch.float32 and buffer.is_contiguous()
+            and buffer.shape[0] == like.shape[0] and buffer.shape[2:] == like.shape[2:]
+            and buffer.shape[1] >= like.shape[1])
+
+
+def _grads_into(key_grads, *keys):
+    """``keys`` as the C kernels take them when the reference's ``key_grads`` route applies (a
+    buffer the C backward cannot write): their gradients then reach the buffers through autograd."""
+    return tuple(reference.grad_into(x, buf) for x, buf in zip(keys, key_grads))
+
+
 class _Attention(torch.autograd.Function):
     """``q [B, Tq, HQ, D]``, ``k [B, Tk, H, D]``, ``v [B, Tk, H, DV]`` (fp32, contiguous),
-    ``indices [B, Tq, K]`` -> ``(o [B, Tq, HQ, DV], probs [B, Tq, K])``."""
+    ``indices [B, Tq, K]`` -> ``(o [B, Tq, HQ, DV], probs [B, Tq, K])``. ``key_grads``: None, or
+    ``(dk, dv)`` buffers (``_sink``) into which the backward adds the gradients of ``k`` and ``v``,
+    which then get none from here."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
+    def forward(ctx, q, k, v, indices, scale, key_grads):
         B, Tq, HQ, D = q.shape
         Tk, H, DV, K = k.shape[1], k.shape[2], v.shape[-1], indices.shape[-1]
         o = q.new_empty(B, Tq, HQ, DV)
@@ -176,7 +194,7 @@ class _Attention(torch.autograd.Function):
             raise MemoryError("the native DSA attention could not allocate its score buffer")
         # the selections are kept as int32 (half the bytes; positions stay below 2**31)
         ctx.save_for_backward(q, k, v, indices.to(torch.int32), o, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.key_grads = scale, key_grads
         ctx.mark_non_differentiable(probs)
         return o, probs
 
@@ -187,78 +205,117 @@ class _Attention(torch.autograd.Function):
         indices = indices.long()
         B, Tq, HQ, D = q.shape
         Tk, H, DV, K = k.shape[1], k.shape[2], v.shape[-1], indices.shape[-1]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)
+        sunk = ctx.key_grads is not None
+        dk, dv = ctx.key_grads if sunk else (torch.zeros_like(k), torch.zeros_like(v))
         do = do.float().contiguous()
         _attention_lib().megabase_dsa_attention_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), indices.data_ptr(), o.data_ptr(),
-            lse.data_ptr(), do.data_ptr(), B * Tq, Tq, Tk, HQ, H, D, DV, K, ctx.scale,
-            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
-        return dq, dk, dv, None, None
+            lse.data_ptr(), do.data_ptr(), B * Tq, Tq, Tk, dk.shape[1], HQ, H, D, DV, K,
+            ctx.scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+        return dq, None if sunk else dk, None if sunk else dv, None, None, None
 
 
 @full_precision
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = reference.BLOCK_Q,
-                     return_probs: bool = False):
+                     return_probs: bool = False, key_grads=None):
     """Attention of each query over its selected keys: ``o [B, Tq, HQ, DV]`` (dtype of q).
 
     As :func:`megabase.kernels.dsa.reference.sparse_attention` (``k, v`` may hold more keys than
-    there are queries); ``block_q`` sizes only the fallback's blocks.
+    there are queries); ``block_q`` sizes only the fallback's blocks. ``key_grads``: None, or
+    buffers ``(dk, dv)`` of ``[B, >= Tk, ...]`` into which the backward adds the gradients of ``k``
+    and ``v`` (rows ``0..Tk``), which then get none through autograd.
     """
     if q.device.type != "cpu" or _attention_lib() is None or q.shape[1] == 0 or not indices.shape[-1]:
+        if key_grads is not None:
+            k, v = _grads_into(key_grads, k, v)
         return reference.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
-    o, probs = _Attention.apply(q.float().contiguous(), k.float().contiguous(),
-                                v.float().contiguous(), indices.long().contiguous(), scale)
+    k, v = k.float().contiguous(), v.float().contiguous()
+    if key_grads is not None and not (_sink(key_grads[0], k) and _sink(key_grads[1], v)):
+        k, v = _grads_into(key_grads, k, v)
+        key_grads = None
+    o, probs = _Attention.apply(q.float().contiguous(), k, v, indices.long().contiguous(), scale,
+                                key_grads)
     o = o.to(q.dtype)
     return (o, probs) if return_probs else o
 
 
 class _IndexerKL(torch.autograd.Function):
-    """Summed sparse KL; its gradients come out of the same pass and are scaled in backward.
-    ``q_idx [B, Tq, HI, DI]``, ``k_idx [B, Tk, DI]``, ``w_idx [B, Tq, HI]`` or None (fp32,
-    contiguous), ``indices``/``target [B, Tq, K]``."""
+    """Summed sparse KL. ``q_idx [B, Tq, HI, DI]``, ``k_idx [B, Tk, DI]``, ``w_idx [B, Tq, HI]``
+    or None (fp32, contiguous), ``indices``/``target [B, Tq, K]``; ``key_grad``: None or a buffer
+    (``_sink``) into which the backward adds ``k_idx``'s gradient. The forward keeps ``dI [B, Tq,
+    K]`` (the loss's gradient by each selected score); the backward recomputes the rest from it."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, indices, target, scale):
+    def forward(ctx, q_idx, k_idx, w_idx, indices, target, scale, key_grad):
+        B, Tq, HI, DI = q_idx.shape
+        di = q_idx.new_empty(B, Tq, indices.shape[-1])
+        total = _kl_value(q_idx, k_idx, w_idx, indices, target, scale, di)
+        ctx.save_for_backward(q_idx, k_idx, w_idx, indices.to(torch.int32), di)
+        ctx.scale, ctx.key_grad = scale, key_grad
+        return q_idx.new_tensor(total)
+
+    @staticmethod
+    @full_precision
+    def backward(ctx, grad):
+        q_idx, k_idx, w_idx, indices, di = ctx.saved_tensors
+        indices = indices.long()
         B, Tq, HI, DI = q_idx.shape
         Tk, K = k_idx.shape[1], indices.shape[-1]
-        total = ctypes.c_double()
-        dq, dk = torch.empty_like(q_idx), torch.empty_like(k_idx)
-        dw = q_idx.new_empty(B, Tq, HI)
-        status = _attention_lib().megabase_dsa_indexer_kl(
+        sunk = ctx.key_grad is not None
+        dk = ctx.key_grad if sunk else torch.zeros_like(k_idx)
+        dq, dw = torch.empty_like(q_idx), q_idx.new_empty(B, Tq, HI)
+        _attention_lib().megabase_dsa_indexer_kl_backward(
             q_idx.data_ptr(), k_idx.data_ptr(), None if w_idx is None else w_idx.data_ptr(),
-            indices.data_ptr(), target.data_ptr(), B * Tq, Tq, Tk, HI, DI, K, scale,
-            ctypes.byref(total), dq.data_ptr(), dk.data_ptr(), dw.data_ptr(),
-            torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("the native DSA indexer loss could not allocate its buffers")
-        ctx.save_for_backward(dq, dk, dw)
-        ctx.weighted = w_idx is not None
-        return q_idx.new_tensor(total.value)
+            indices.data_ptr(), di.data_ptr(), B * Tq, Tq, Tk, dk.shape[1], HI, DI, K, ctx.scale,
+            float(grad), dq.data_ptr(), dk.data_ptr(), dw.data_ptr(), torch.get_num_threads())
+        return (dq, None if sunk else dk, None if w_idx is None else dw, None, None, None, None)
 
-    @staticmethod
-    def backward(ctx, grad):
-        dq, dk, dw = ctx.saved_tensors
-        return dq * grad, dk * grad, dw * grad if ctx.weighted else None, None, None, None
+
+def _kl_value(q_idx, k_idx, w_idx, indices, target, scale, di=None) -> float:
+    """The C forward of the sparse KL: its sum (and ``dI`` into ``di`` unless None)."""
+    B, Tq, HI, DI = q_idx.shape
+    total = ctypes.c_double()
+    status = _attention_lib().megabase_dsa_indexer_kl(
+        q_idx.data_ptr(), k_idx.data_ptr(), None if w_idx is None else w_idx.data_ptr(),
+        indices.data_ptr(), target.data_ptr(), B * Tq, Tq, k_idx.shape[1], HI, DI,
+        indices.shape[-1], scale, ctypes.byref(total), None if di is None else di.data_ptr(),
+        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the native DSA indexer loss could not allocate its buffers")
+    return total.value
 
 
 @full_precision
 def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None,
-                      block_q: int = reference.KL_BLOCK_Q):
+                      block_q: int = reference.KL_BLOCK_Q, key_grads=None):
     """``KL(p || softmax(I))`` on each query's selected set, averaged over queries.
 
     As :func:`megabase.kernels.dsa.reference.indexer_kl_sparse` (``block_q`` sizes only the
-    fallback's blocks).
+    fallback's blocks). ``key_grads``: None, or ``(dk_idx,)``, a buffer ``[B, >= Tk, DI]`` into
+    which the backward adds ``k_idx``'s gradient (as :func:`sparse_attention`'s). Without
+    autograd only the loss is computed.
     """
     if q_idx.device.type != "cpu" or _attention_lib() is None or q_idx.shape[1] == 0 \
             or not indices.shape[-1]:
+        if key_grads is not None:
+            (k_idx,) = _grads_into(key_grads, k_idx)
         return reference.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale, block_q)
     B, Tq, HI, DI = q_idx.shape
     scale = DI**-0.5 if scale is None else scale
+    q, k = q_idx.float().contiguous(), k_idx.float().contiguous()
     w = None if w_idx is None else w_idx.float().contiguous()
-    total = _IndexerKL.apply(q_idx.float().contiguous(), k_idx.float().contiguous(), w,
-                             indices.long().contiguous(), target.float().contiguous(), scale)
+    idx, p = indices.long().contiguous(), target.float().contiguous()
+    if not torch.is_grad_enabled() or not any(
+            x is not None and x.requires_grad for x in (q, k, w)):
+        return q.new_tensor(_kl_value(q, k, w, idx, p, scale)) / max(B * Tq, 1)
+    key_grad = None if key_grads is None else key_grads[0]
+    if key_grad is not None and not _sink(key_grad, k):
+        (k,) = _grads_into(key_grads, k)
+        key_grad = None
+    total = _IndexerKL.apply(q, k, w, idx, p, scale, key_grad)
     return total / max(B * Tq, 1)
 
 

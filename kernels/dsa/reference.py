@@ -425,6 +425,28 @@ class _SparseAttention(torch.autograd.Function):
         return dq, dk.reshape(k.shape), dv.reshape(v.shape), None, None, None
 
 
+class _GradInto(torch.autograd.Function):
+    """``x [B, T, ...]`` unchanged; in the backward its gradient is added into ``buffer[:, :T]``
+    and none goes back to ``x`` through autograd."""
+
+    @staticmethod
+    def forward(ctx, x, buffer):
+        ctx.buffer = buffer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buffer[:, : grad.shape[1]] += grad
+        return None, None
+
+
+def grad_into(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``x``, whose gradient the backward adds into ``buffer [B, >= T, ...]`` instead of returning
+    it: the ``key_grads`` route of the sparse attention and the indexer loss, in plain PyTorch
+    (the C kernels add in place; this form makes the full-length gradient first)."""
+    return _GradInto.apply(x, buffer) if x.requires_grad and torch.is_grad_enabled() else x
+
+
 @full_precision
 def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
                      return_probs: bool = False):

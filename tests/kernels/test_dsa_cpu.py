@@ -148,3 +148,60 @@ def test_the_c_kernels_take_empty_and_int32_selections():
     assert o.shape == (1, 0, 2, 8) and p.shape == (1, 0, 5)
     o32 = cpu.sparse_attention(q, k, v, idx.int())  # int32 indices are taken as positions
     assert_close(o32, reference.sparse_attention(q, k, v, idx), "o, int32 indices")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_key_gradients_are_added_into_longer_buffers(backend, B):
+    """``key_grads``: the gradients of k, v and the index keys land in the buffers' first Tk rows,
+    added to what they held, the rows past Tk untouched; autograd gives the keys none."""
+    from megabase.kernels.dsa import indexer_kl_sparse, sparse_attention
+
+    q, k, v, qi, ki, wi = make(B, 37, 4, 2, 8, 2, 4, 7, seed=29)
+    idx = dsa_indexer(qi[:, 20:], ki, wi[:, 20:], 7, offset=20)
+    want = run("reference", q[:, 20:], k, v, qi[:, 20:], ki, wi[:, 20:], idx)
+    held = [torch.randn(B, 45, *x.shape[2:], generator=torch.Generator().manual_seed(3))
+            for x in (k, v, ki)]
+    buffers = [h.clone() for h in held]
+    inputs = [x.detach().clone().requires_grad_() for x in (q[:, 20:], k, v, qi[:, 20:], ki)]
+    w = wi[:, 20:].detach().clone().requires_grad_()
+    o, p = sparse_attention(*inputs[:3], idx, return_probs=True, backend=backend,
+                            key_grads=buffers[:2])
+    kl = indexer_kl_sparse(inputs[3], inputs[4], w, idx, p, backend=backend,
+                           key_grads=buffers[2:])
+    (o.square().sum() + o.sum() + 10 * kl).backward()
+    assert inputs[1].grad is None and inputs[2].grad is None and inputs[4].grad is None
+    assert_close(inputs[0].grad, want[3], f"{backend} dq")
+    assert_close(w.grad, want[8], f"{backend} dw_idx")
+    for name, buf, before, grad in zip(("dk", "dv", "dk_idx"), buffers, held,
+                                       (want[4], want[5], want[7])):
+        assert_close(buf[:, :37] - before[:, :37], grad, f"{backend} {name} added")
+        assert torch.equal(buf[:, 37:], before[:, 37:]), f"{name}: rows past the keys changed"
+
+
+def test_the_index_keys_gradient_does_not_depend_on_the_thread_count():
+    """The C indexer loss adds each key's gradient in one order (by key ownership), so one
+    thread and two give the same bits."""
+    q, k, v, qi, ki, wi = make(1, 300, 2, 1, 8, 2, 4, 16, seed=31)
+    idx = dsa_indexer(qi, ki, wi, 16)
+    _, p = cpu.sparse_attention(q, k, v, idx, return_probs=True)
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            kk = ki.detach().clone().requires_grad_()
+            cpu.indexer_kl_sparse(qi, kk, wi, idx, p).backward()
+            grads.append(kk.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_the_indexer_loss_without_autograd_is_its_value():
+    q, k, v, qi, ki, wi = make(1, 50, 2, 1, 8, 2, 4, 9, seed=33)
+    idx = dsa_indexer(qi, ki, wi, 9)
+    _, p = cpu.sparse_attention(q, k, v, idx, return_probs=True)
+    with torch.no_grad():
+        value = cpu.indexer_kl_sparse(qi, ki, wi, idx, p)
+    assert_close(value, reference.indexer_kl_sparse(qi, ki, wi, idx, p), "kl value")
