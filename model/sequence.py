@@ -15,7 +15,9 @@ border, and each layer calls them on its call's ``Context.sequence``:
 * ``balance(loss, load, share, T)``: the MoE sequence-wise balance loss of the whole sequence from
   this part's counts and scores; ``fraction(T)``: this part's share of the sequence's queries (the
   indexer KL is a mean over them).
-* ``layer(i)``: the interface as layer ``i`` sees it (its calls are told apart by layer).
+* ``layer(i)``: the interface as layer ``i`` sees it (its calls are told apart by layer);
+* ``gather(x)``, ``reduce(x)``: ``x`` of every rank of the group, stacked, and summed (the walk
+  shares each segment across a context group with them).
 
 :data:`ONE_PROCESS` makes them identities; :class:`megabase.pipeline.context_parallel.ContextParallel`
 implements them with collectives across ranks, :class:`megabase.model.walk.Segment` with what
@@ -81,6 +83,14 @@ class OneProcess:
     def layer(self, index: int) -> "OneProcess":
         """The interface for layer ``index`` (the same object here)."""
         return self
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of every rank of the group, stacked: ``[P, *x.shape]`` (here ``P = 1``)."""
+        return x[None]
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A detached ``x`` summed over the group."""
+        return x.detach()
 
     def check_streaming(self) -> None:
         """Streaming (a layer called with ``state``) carries the sequence in one process."""

@@ -24,6 +24,14 @@ segment; the sequence-wise balance loss reads the expert counts of the whole win
 forward. The gradients equal the full backward's to fp32 round-off; the tests compare every
 parameter's.
 
+Context parallelism composes as the walk's inner level: a group of ``P`` ranks walks the window in
+segments of ``P`` pieces, rank ``r`` holding the ``r``-th piece of each. Within a segment the group
+exchanges as it does over a whole sequence (the previous rank's last rows, the KDA maps folded
+into each rank's incoming state); across segments the walk carries what the last rank's piece
+ends with to the first rank's next piece, and in the backward sends its gradient back between
+passes (:meth:`Walk.send_back`). Every rank keeps the window's DSA keys; the gradients its
+queries add to a segment's keys are summed over the group when that segment's backward comes.
+
 Activation recompute (``pipeline.memory``) composes: a recomputed block calls the same interface
 again inside the backward, and a :class:`Segment` layer view answers those calls with what it
 answered the first time, registering nothing twice (its calls are kept in order; a recompute
@@ -32,15 +40,16 @@ replays them from the first).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 
+import numpy as np
 import torch
-
-from megabase.kernels.kda import kda_chunk
 
 from .context import Context
 from .lm import LMOutput
-from .sequence import OneProcess
+from .sequence import ONE_PROCESS, OneProcess
 
 
 def segment_bounds(length: int, segment: int) -> list[tuple[int, int]]:
@@ -56,13 +65,15 @@ class Walk:
     directions: kept in the forward (``tails``, ``states``, ``keys``, the balance loss's counts) and
     sent back in the backward (their gradients)."""
 
-    def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]], between=None):
+    def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]], between=None,
+                 group: OneProcess = ONE_PROCESS):
         self.ids, self.bounds, self.T = ids, bounds, ids.shape[1]
+        self.group = group  # the context-parallel group sharing each segment (ONE_PROCESS: none)
         self.tails: dict = {}  # (key, segment) -> the segment's last rows of a layer's input
         self.states: dict = {}  # (key, segment) -> the KDA state at the segment's start
         self.keys: dict = {}  # key -> [B, T, ...] buffers of keys / values / index keys
         self.key_grads: dict = {}  # key -> their gradients, summed over later queries
-        self.selected: dict = {}  # (key, segment) -> the indexer's top-k, int32, forward to backward
+        self.selected = Kept()  # (key, segment) -> the indexer's top-k, forward to backward
         self.counts: dict = {}  # key -> the window's expert counts (balance loss)
         self.shares: dict = {}  # key -> (loss function, the window's summed shares)
         self.tail_grads: dict = {}  # (key, segment) -> gradient of the segment's last rows
@@ -70,6 +81,31 @@ class Walk:
         self.roots: list[tuple[torch.Tensor, torch.Tensor]] = []  # this segment's boundary outputs
         self.leaves: list[tuple[torch.Tensor, dict, tuple]] = []  # and inputs, where their grad goes
         self.between = between or (lambda: None)  # called after each segment's pass
+
+    def piece(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` of this rank's piece of segment ``index``: the ``P`` ranks of the
+        group hold its equal parts in rank order."""
+        a, b = self.bounds[index]
+        n = (b - a) // self.group.size
+        return a + self.group.rank * n, a + (self.group.rank + 1) * n
+
+    def send_back(self, index: int) -> None:
+        """After segment ``index``'s backward: the gradients of the tails and KDA states that rank
+        0 took from segment ``index - 1`` go to the last rank, which made them (with one rank
+        they are where they belong)."""
+        g = self.group
+        if g.size == 1 or index == 0:
+            return
+        made = [(self.tails, self.tail_grads, k) for k in self.tails if k[1] == index - 1
+                and self.tails[k].is_floating_point()]
+        made += [(self.states, self.state_grads, (k[0], index - 1)) for k in self.states
+                 if k[1] == index]
+        for kept, grads, key in made:
+            value = kept[key] if kept is self.tails else kept[key[0], index]
+            mine = grads.pop(key, None) if g.rank == 0 else None
+            got = g.gather(torch.zeros_like(value) if mine is None else mine)[0]
+            if g.rank == g.size - 1:
+                grads[key] = got
 
     def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
         self.roots.append((output, grad))
@@ -81,6 +117,49 @@ class Walk:
         return value
 
 
+class Kept:
+    """The indexer's selections of a walked window, kept from each segment's forward for its
+    backward (int32, ``[B, n, topk]`` per segment and DSA layer: 2 GB for a 1,048,576-token window
+    of cpu-small). On the CPU they go to an unlinked temporary file, which nothing outlives: the
+    OS's page cache holds them while memory is free, and they never count as the process's own
+    (resident) memory. Elsewhere they stay where they are."""
+
+    def __init__(self):
+        self.file = None
+        self.places: dict = {}  # key -> (offset, shape) in the file, or the tensor itself
+        self.size = 0
+
+    def put(self, key, idx: torch.Tensor) -> None:
+        idx = idx.to(torch.int32).contiguous()
+        if idx.device.type != "cpu":
+            self.places[key] = idx
+            return
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(prefix="megabase-walk-")
+        data = idx.numpy().view(np.uint8).reshape(-1)
+        os.pwrite(self.file.fileno(), data, self.size)
+        self.places[key] = (self.size, tuple(idx.shape))
+        self.size += data.size
+
+    def take(self, key) -> torch.Tensor:
+        """The selections put under ``key`` (int64, as the kernels take them), forgotten here."""
+        place = self.places.pop(key)
+        if torch.is_tensor(place):
+            return place.long()
+        offset, shape = place
+        out = torch.empty(shape, dtype=torch.int32)
+        got = os.preadv(self.file.fileno(), [out.numpy().view(np.uint8).reshape(-1)], offset)
+        if got != out.numel() * 4:
+            raise OSError(f"the walk's kept selections file returned {got} of "
+                          f"{out.numel() * 4} bytes")
+        return out.long()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class Segment(OneProcess):
     """One segment of a walked window, as the layers see their sequence (the top-level view:
     the embedding's and the seeds' calls). :meth:`layer` gives each layer its own view.
@@ -88,7 +167,10 @@ class Segment(OneProcess):
 
     def __init__(self, walk: Walk, index: int, grad: bool, layer: int = -1):
         self.walk, self.index, self.grad, self.layer_index = walk, index, grad, layer
-        self.start, self.end = walk.bounds[index]
+        self.start, self.end = walk.piece(index)  # this rank's rows
+        self.span = walk.bounds[index]  # the segment's, all ranks'
+        self.first = walk.group.rank == 0  # the rank whose piece starts the segment
+        self.final = walk.group.rank == walk.group.size - 1  # and the one that ends it
         self.last = index == len(walk.bounds) - 1
         self.calls: list = []  # what each call returned, in order (a recompute replays them)
         self.sinks = None  # the key gradient buffers of this layer's prefix (the backward's pass)
@@ -134,44 +216,64 @@ class Segment(OneProcess):
         raise ValueError("a walked window is not streamed (state=...): each segment is a full pass")
 
     def before(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
-        """The previous segment's last ``n`` rows of ``x``; in the backward a leaf, and ``x``'s own
-        last rows get the gradient the next segment sent back."""
+        """The ``n`` rows of ``x`` before this piece: the previous rank's last rows, or on the
+        first rank the previous segment's (kept from the forward). In the backward they are a
+        leaf (first rank) or come through the group's exchange, and the last rank's own last
+        rows get the gradient the next segment sent back."""
         key, replay = self._next("before")
         if key is None:
             return replay
-        w = self.walk
-        if not self.last:
-            if x.shape[1] < n:
-                raise ValueError(f"segments of {x.shape[1]} tokens are shorter than a layer's "
-                                 f"{n}-row border")
-            w.tails[key, self.index] = x[:, x.shape[1] - n :].detach().clone()
-        prev = w.tails.get((key, self.index - 1))
-        if self.grad and x.is_floating_point():
+        w, g = self.walk, self.walk.group
+        rows = x[:, x.shape[1] - n :]
+        if not self.grad:
+            every = g.gather(rows.detach())  # [P, B, n, ...]
+            if not self.last:
+                if x.shape[1] < n:
+                    raise ValueError(f"segments of {x.shape[1]} tokens are shorter than a layer's "
+                                     f"{n}-row border")
+                w.tails[key, self.index] = every[-1].clone()
+            prev = w.tails.get((key, self.index - 1)) if self.first else every[g.rank - 1]
+            return self._keep("before", prev)
+        kept = w.tails.get((key, self.index - 1))
+        if not x.is_floating_point():
+            prev = kept
+            if g.size > 1:  # every rank joins the exchange
+                every = g.gather(rows)
+                prev = kept if self.first else every[g.rank - 1]
+            return self._keep("before", prev)
+        if self.final:
             sent = w.tail_grads.pop((key, self.index), None)
             if sent is not None:
-                w.root(x[:, x.shape[1] - n :], sent)
-            if prev is not None:
-                prev = w.leaf(prev, w.tail_grads, (key, self.index - 1))
-        return self._keep("before", prev)
+                w.root(rows, sent)
+        if kept is not None and self.first:
+            kept = w.leaf(kept, w.tail_grads, (key, self.index - 1))
+        if g.size == 1:
+            return self._keep("before", kept)
+        every = g.gather(rows)  # differentiable: its backward reaches every rank
+        head = torch.zeros_like(every[0]) if kept is None else kept
+        return self._keep("before", torch.cat([head[None], every[:-1]])[g.rank])
 
     def prefix(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each ``x`` preceded by the rows of every earlier segment, read from the window's buffers
-        (written here as the segments pass)."""
+        """Each ``x`` preceded by the rows of every earlier piece, read from the window's buffers
+        (the forward writes each segment's pieces there, every rank's, as the segments pass)."""
         key, replay = self._next("prefix")
         if key is None:
             return replay
-        w = self.walk
+        w, g = self.walk, self.walk.group
         if key not in w.keys:
             w.keys[key] = [x.new_empty(x.shape[0], w.T, *x.shape[2:]) for x in xs]
         buffers = w.keys[key]
         if not self.grad:  # written once: the backward's pass recomputes the same rows
-            for buf, x in zip(buffers, xs):
-                buf[:, self.start : self.end] = x.detach()
+            a, b = self.span
+            every = g.gather(torch.cat([x.detach().flatten(2) for x in xs], dim=-1))
+            pieces = every.transpose(0, 1).flatten(1, 2)  # [B, b - a, channels]
+            for buf, part in zip(buffers, pieces.split([x[0, 0].numel() for x in xs], dim=-1)):
+                buf[:, a:b] = part.unflatten(-1, buf.shape[2:])
             return self._keep("prefix", tuple(buf[:, : self.end] for buf in buffers))
         if key not in w.key_grads:
             w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
         self.sinks = w.key_grads[key]
-        return self._keep("prefix", _Prefix.apply(self.start, buffers, self.sinks, *xs))
+        return self._keep("prefix", _Prefix.apply(self, buffers, self.sinks, *xs))
 
     def key_grads(self) -> list[torch.Tensor] | None:
         """In the backward's pass, the window's gradient buffers of the keys ``prefix`` returned:
@@ -186,28 +288,30 @@ class Segment(OneProcess):
             return replay
         if not self.grad:
             idx = indexer()
-            self.walk.selected[key, self.index] = idx.to(torch.int32)
+            self.walk.selected.put((key, self.index), idx)
             return self._keep("select", idx)
-        return self._keep("select", self.walk.selected.pop((key, self.index)).long())
+        return self._keep("select", self.walk.selected.take((key, self.index)))
 
     def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
-        """The KDA op over this segment from the state the previous one ended in (a leaf in the
-        backward), its final state kept for the next."""
+        """The KDA op over this piece (the group's op: the ranks fold their maps), the segment
+        starting from the state the previous one ended in (a leaf in the backward), its final
+        state kept for the next."""
         if initial_state is not None or output_final_state:
             self.check_streaming()
         key, replay = self._next("kda")
+        group = self.walk.group
         if key is None:
-            return kda_chunk(q, k, v, g, beta, initial_state=replay, output_final_state=True,
+            return group.kda(q, k, v, g, beta, initial_state=replay, output_final_state=True,
                              backend=backend)[0], None
         w = self.walk
-        start = w.states.get((key, self.index))
+        start = w.states.get((key, self.index)) if self.first else None
         if self.grad and start is not None:
             start = w.leaf(start, w.state_grads, (key, self.index - 1))
-        o, final = kda_chunk(q, k, v, g, beta, initial_state=start, output_final_state=True,
+        o, final = group.kda(q, k, v, g, beta, initial_state=start, output_final_state=True,
                              backend=backend)
         if not self.grad and not self.last:
-            w.states[key, self.index + 1] = final.detach()
-        if self.grad:
+            w.states[key, self.index + 1] = group.gather(final.detach())[-1]
+        if self.grad and self.final:
             sent = w.state_grads.pop((key, self.index), None)
             if sent is not None:
                 w.root(final, sent)
@@ -223,7 +327,7 @@ class Segment(OneProcess):
         if key is None:
             return loss(replay, share, w.T)
         if not self.grad:
-            w.counts[key] = w.counts.get(key, 0) + load.detach()
+            w.counts[key] = w.counts.get(key, 0) + w.group.reduce(load)
             fn, total = w.shares.get(key, (loss, 0))
             w.shares[key] = (fn, total + share.detach())
             self._keep("balance", None)
@@ -233,31 +337,34 @@ class Segment(OneProcess):
 
 
 class _Prefix(torch.autograd.Function):
-    """``x [B, T_s, ...]`` -> the window buffer's rows ``[:, :end]`` (earlier segments', then
-    ``x``'s). The gradient of those rows gathers in ``grads`` (``[B, T, ...]``): the kernels add
-    into it in place (``Segment.key_grads``), and a gradient that reaches this node is added too;
-    ``x`` gets its own rows' sum, which holds what the later segments' queries added before."""
+    """``x [B, n, ...]`` (a piece's rows) -> the window buffer's rows ``[:, :end]`` (earlier
+    pieces', then ``x``'s). The gradient of those rows gathers in ``grads`` (``[B, T, ...]``): the
+    kernels add into it in place (``Segment.key_grads``), and a gradient that reaches this node
+    is added too. Then the segment's rows are summed over the group (every rank's queries read
+    them), and ``x`` gets its own rows', which hold what later segments' queries added before."""
 
     @staticmethod
-    def forward(ctx, start, buffers, grads, *xs):
-        ctx.start, ctx.grads, ctx.lengths = start, grads, [x.shape[1] for x in xs]
+    def forward(ctx, segment, buffers, grads, *xs):
+        ctx.segment, ctx.grads = segment, grads
         ctx.set_materialize_grads(False)  # a kernel that added in place sends none
-        return tuple(buf[:, : start + x.shape[1]] for buf, x in zip(buffers, xs))
+        return tuple(buf[:, : segment.end] for buf in buffers)
 
     @staticmethod
     def backward(ctx, *outs):
-        start, ins = ctx.start, []
-        for g, acc, n in zip(outs, ctx.grads, ctx.lengths):
+        seg = ctx.segment
+        (a, b), (start, end), group = seg.span, (seg.start, seg.end), seg.walk.group
+        for g, acc in zip(outs, ctx.grads):
             if g is not None:
-                acc[:, : start + n] += g
-            ins.append(acc[:, start : start + n].clone())
-        return (None, None, None, *ins)
+                acc[:, :end] += g
+        if group.size > 1:
+            rows = group.reduce(torch.cat([acc[:, a:b].flatten(2) for acc in ctx.grads], dim=-1))
+            for acc, part in zip(ctx.grads, rows.split([acc[0, 0].numel() for acc in ctx.grads], -1)):
+                acc[:, a:b] = part.unflatten(-1, acc.shape[2:])
+        return (None, None, None, *(acc[:, start:end].clone() for acc in ctx.grads))
 
 
 def unwalkable(model, ctx: Context) -> str | None:
     """Why a call of ``model`` with ``ctx`` cannot be walked, or None when it can."""
-    if ctx.sequence.size > 1:
-        return "a context-parallel shard is not walked yet: walk one process's window"
     if ctx.dense_warmup or model.cfg.indexer_mode == "dense":
         return "the dense indexer warm-up attends over whole rows: it is not walked"
     if ctx.replay is not None or ctx.capture is not None or ctx.state is not None:
@@ -271,17 +378,24 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
     """``model(input_ids, targets, loss_mask)`` for a training step, walked in segments of
     ``segment`` tokens: the same :class:`~megabase.model.LMOutput` (loss, lm_loss and aux_loss
     differentiable, their backward the walk's), with one segment's activations alive at a time.
-    ``ctx``: the call's context (its sequence must be the whole window; the dense indexer warm-up
-    attends over whole rows and is not walked). ``between``: called with no arguments after each
-    of the ``2 * len(segments)`` passes (forward and backward), once the pass's tensors are freed:
-    the trainer's progress and heap trim."""
+    ``ctx``: the call's context (the dense indexer warm-up attends over whole rows and is not
+    walked); with a context-parallel sequence (``ctx.sequence`` of ``P`` ranks) every rank passes
+    the whole window and the group walks it in segments of ``P * segment`` tokens, each rank
+    holding ``segment`` of each, so the result is this rank's part (its tokens' loss; its
+    parameter gradients, summed over the group, are the window's). ``between``: called with no
+    arguments after each of the ``2 * len(segments)`` passes (forward and backward), once the
+    pass's tensors are freed: the trainer's progress and heap trim."""
     ctx = model.context() if ctx is None else ctx
     reason = unwalkable(model, ctx)
     if reason:
         raise ValueError(reason)
     if loss_mask is None:
         loss_mask = torch.ones_like(targets, dtype=torch.bool)
-    walk = Walk(input_ids, segment_bounds(input_ids.shape[1], segment), between)
+    group, T = ctx.sequence, input_ids.shape[1]
+    if T % group.size:
+        raise ValueError(f"a {T:,}-token window does not split into {group.size} equal "
+                         "context-parallel pieces")
+    walk = Walk(input_ids, segment_bounds(T, segment * group.size), between, group)
     params = [p for p in model.parameters() if p.requires_grad]
     report: dict = {}
     lm, aux = _Walked.apply(walk, model, targets, loss_mask, ctx, report, *params)
@@ -292,7 +406,7 @@ def walked_forward(model, input_ids: torch.Tensor, targets: torch.Tensor,
 
 
 def _segment_call(model, walk: Walk, index: int, grad: bool, targets, loss_mask, ctx: Context):
-    a, b = walk.bounds[index]
+    a, b = walk.piece(index)
     seq = Segment(walk, index, grad)
     out = model(walk.ids[:, a:b], targets[:, a:b], loss_mask=loss_mask[:, a:b],
                 ctx=replace(ctx, sequence=seq, train_indexer=True))
@@ -309,7 +423,8 @@ class _Walked(torch.autograd.Function):
         n = 0
         nll, masks, loads, margins, used, own, kls = [], [], [], [], [], [], []
         with torch.no_grad():
-            for i, (a, b) in enumerate(walk.bounds):
+            for i in range(len(walk.bounds)):
+                a, b = walk.piece(i)
                 out, _ = _segment_call(model, walk, i, False, targets, loss_mask, ctx)
                 lm_sum = lm_sum + out.lm_loss.double() * out.n_tokens
                 aux = aux + out.aux_loss.double()
@@ -361,8 +476,10 @@ class _Walked(torch.autograd.Function):
                 if g is not None:
                     sink[key] = g
             walk.roots, walk.leaves = [], []
+            walk.send_back(i)
             del out, objective, roots, found
             walk.between()
+        walk.selected.close()
         return (None,) * 6 + tuple(grads)
 
 
@@ -370,7 +487,8 @@ def border_bytes(model, length: int = 64) -> dict[str, int]:
     """Bytes per window token that a walked step of ``model`` keeps whatever its segment size,
     read from a no-grad walk of two ``length``-token segments of a probe window: ``keys`` (every
     DSA layer's key, value and index-key buffers; their gradients take as much again),
-    ``selected`` (the indexer's top-k, kept from the forward for the backward), ``layer`` (the
+    ``selected`` (the indexer's top-k, kept from the forward for the backward: in a file, see
+    :class:`Kept`), ``layer`` (the
     largest one layer's keys: where the C kernels are not built, the backward makes their
     gradient as one full-window tensor per segment), ``report`` (the per-token outputs gathered
     over the window: NLL, mask, routing)."""
@@ -383,6 +501,6 @@ def border_bytes(model, length: int = 64) -> dict[str, int]:
     per_layer = [sum(b[0, 0].numel() * b.element_size() for b in bufs) for bufs in walk.keys.values()]
     per_token = [t for v in report.values() for t in (v if isinstance(v, list) else [v])
                  if torch.is_tensor(t) and t.dim() > 1 and t.shape[1] == 2 * length]
-    selected = sum(t[0].numel() * t.element_size() for t in walk.selected.values()) // (2 * length)
+    selected = walk.selected.size // (2 * length)
     return {"keys": sum(per_layer), "selected": selected, "layer": max(per_layer, default=0),
             "report": sum(t[0, 0].numel() * t.element_size() for t in per_token)}

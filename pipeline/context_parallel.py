@@ -88,10 +88,15 @@ class ContextParallel(OneProcess):
         return self.gather(ids)[: self.rank + 1].transpose(0, 1).flatten(1)
 
     def kda(self, q, k, v, g, beta, initial_state=None, output_final_state=False, backend="auto"):
-        """The KDA op over the sharded sequence (see :func:`kda_context_parallel`)."""
-        if initial_state is not None or output_final_state:
-            self.check_streaming()
-        return kda_context_parallel(q, k, v, g, beta, self, backend=backend), None
+        """The KDA op over the sharded sequence (see :func:`kda_context_parallel`):
+        ``initial_state`` enters the group's sequence (rank 0's; a walked window's segment starts
+        from the one before it), ``output_final_state`` gives each rank the state at its shard's
+        end."""
+        return kda_context_parallel(q, k, v, g, beta, self, backend, initial_state,
+                                    output_final_state)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return summed(x, self.group)
 
     def balance(self, loss, load: torch.Tensor, share: torch.Tensor, length: int) -> torch.Tensor:
         """The balance loss with the sequence's counts (summed over the group, no gradient)."""
@@ -123,12 +128,15 @@ class _AllGather(torch.autograd.Function):
         return grad[ctx.cp.rank], None
 
 
-def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "auto"):
+def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "auto",
+                         initial_state=None, output_final_state: bool = False):
     """KDA over a sequence sharded across ``cp``: this rank's ``(q, k [B,T,H,K], v [B,T,HV,V],
-    g [B,T,HV,K], beta [B,T,HV])`` -> its output ``o [B, T, HV, V]``, equal to the matching rows
-    of a single-process pass over the whole sequence (all ranks must call it together)."""
+    g [B,T,HV,K], beta [B,T,HV])`` -> ``(o [B, T, HV, V], final state or None)``, equal to the
+    matching rows of a single-process pass over the whole sequence from ``initial_state`` (read
+    on rank 0; None: zeros). All ranks must call it together."""
     K, V = q.shape[-1], v.shape[-1]
-    maps = _shard_map(q, k, v, g, beta, cp, backend)
+    start = initial_state if cp.rank == 0 else None
+    maps = _shard_map(q, k, v, g, beta, cp, backend, start)
     # folded in fp64: an fp32 fold rounds the incoming state differently from a sequential pass,
     # enough to flip a near-tied DSA top-k choice downstream (measured: one query in 16k at P=4)
     every = cp.gather(maps.double())  # [P, B, HV, K, V + K]: each rank's [C | M]
@@ -136,22 +144,32 @@ def kda_context_parallel(q, k, v, g, beta, cp: ContextParallel, backend: str = "
     for i in range(cp.size - 1):
         C, M = every[i].split([V, K], dim=-1)
         states.append(M @ states[-1] + C)
+    # through the stack on every rank (rank 0's row is zeros), so all ranks join its backward
     incoming = torch.stack(states)[cp.rank]  # fp64: the C kernel carries its state in fp64
-    o, _ = kda_chunk(q, k, v, g, beta, initial_state=incoming, backend=backend)
-    return o
+    if start is not None:
+        incoming = incoming + start
+    return kda_chunk(q, k, v, g, beta, initial_state=incoming,
+                     output_final_state=output_final_state, backend=backend)
 
 
-def _shard_map(q, k, v, g, beta, cp: ContextParallel, backend: str) -> torch.Tensor:
+def _shard_map(q, k, v, g, beta, cp: ContextParallel, backend: str,
+               initial_state=None) -> torch.Tensor:
     """This shard's ``[C | M]`` (``[B, HV, K, V + K]``, the KDA op's state dtype), as far as later
-    ranks use it: rank 0 starts from zero, so its ``M`` is never used (only ``C``, a pass at the
-    values' width); the last rank's map is used by no one (zeros)."""
+    ranks use it: rank 0 starts from ``initial_state`` (None: zero), so its ``M`` is never used
+    (only ``C``, a pass at the values' width from that state); the last rank's map is used by no
+    one (zeros)."""
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cp.rank == cp.size - 1:
-        # a leaf that wants a gradient keeps this rank in the exchange's backward (a collective)
-        return q.new_zeros(B, HV, K, V + K, dtype=torch.float).requires_grad_(torch.is_grad_enabled())
+        zeros = q.new_zeros(B, HV, K, V + K, dtype=torch.float)
+        if not (torch.is_grad_enabled() and q.requires_grad):
+            return zeros
+        # tied to q with weight zero, so that this rank's backward reaches the exchange's (a
+        # collective) however it is asked: backward(), or autograd.grad over the parameters (a
+        # walked window's, which would skip a fresh leaf)
+        return zeros + 0.0 * q.float().sum()
     if cp.rank == 0:
-        start, values = None, v
+        start, values = initial_state, v
     else:
         eye = torch.eye(K, device=q.device).expand(B, HV, K, K)
         start = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)

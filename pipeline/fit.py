@@ -12,9 +12,9 @@ A CPU step's peak resident memory is estimated as
   ``c + a L`` (gradients included). ``L`` is the window for a whole-window step and one segment
   for a walked one (:mod:`megabase.model.walk`);
 * ``borders(T)``: a walked step's window-long buffers, per token from
-  :func:`megabase.model.walk.border_bytes` (the DSA keys and their gradients, the kept
-  selections, the per-token report; where the C DSA kernels are not built, the largest layer's
-  full-window key gradient) plus the batch's tokens, targets and mask.
+  :func:`megabase.model.walk.border_bytes` (the DSA keys and their gradients, the per-token
+  report; where the C DSA kernels are not built, the largest layer's full-window key gradient)
+  plus the batch's tokens, targets and mask. The kept selections are in a file (the page cache).
 
 So a layer's change moves the estimate with it; what it leaves out is the heap's slack (glibc
 keeps freed pages; the walk hands them back between segments) and costs that grow faster than
@@ -133,7 +133,7 @@ class Probe:
             self._borders = border_bytes(self.model)
         b = self._borders
         batch_bytes = 8 + 8 + 1  # the batch's input ids, targets (int64) and loss mask
-        per = 2 * b["keys"] + b["selected"] + b["report"] + batch_bytes
+        per = 2 * b["keys"] + b["report"] + batch_bytes  # the kept selections go to a file
         if not dsa_cpu.available():  # the reference adds each segment's full-window key gradient
             per += b["layer"]
         return per * batch * length

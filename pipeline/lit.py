@@ -128,13 +128,13 @@ class LitLM(pl.LightningModule):
             ids, targets, mask = self._plant_repeats(targets, frac,
                                                      batch_idx % self.cfg.train.grad_accum)
         warm = self.global_step < self.cfg.train.indexer_warmup_steps
-        ids, targets, mask = self.layout.shard(ids, targets, mask)
         ctx = self.model.context(dense_warmup=warm)
         self._segments = self.segments(ids.shape[1], ctx)
-        if self._segments > 1:
+        if self._segments > 1:  # the context group walks the whole window, sharing each segment
             out = walked_forward(self.model, ids, targets, mask, self.cfg.train.segment, ctx,
                                  self._between_segments(ids.shape[1]))
         else:
+            ids, targets, mask = self.layout.shard(ids, targets, mask)
             out = self.model(ids, targets, loss_mask=mask, ctx=ctx)
         step = objective(out, self.layout)
         # the global loss across processes, so that every rank stops together
@@ -155,14 +155,14 @@ class LitLM(pl.LightningModule):
         return step.objective / self.cfg.train.grad_accum
 
     def segments(self, length: int, ctx) -> int:
-        """How many segments a window of ``length`` tokens (this rank's) is trained in under
-        ``ctx``: walked in segments of ``train.segment`` past ``train.segment_from``
-        (:mod:`megabase.model.walk`) where it can be (not the dense indexer's steps, not a
-        context-parallel shard yet: those run whole)."""
-        t = self.cfg.train
-        if not t.walks(length) or unwalkable(self.model, ctx):
+        """How many segments a window of ``length`` tokens is trained in under ``ctx``: walked
+        (:mod:`megabase.model.walk`) where it can be (not the dense indexer's steps) once each
+        rank's share is longer than ``train.segment_from``, in segments of ``train.segment``
+        tokens per rank of the context group."""
+        t, P = self.cfg.train, self.layout.cp_size
+        if not t.walks(length // P) or unwalkable(self.model, ctx):
             return 1
-        return len(segment_bounds(length, t.segment))
+        return len(segment_bounds(length, t.segment * P))
 
     def _between_segments(self, length: int):
         """What runs after each of a walked step's segment passes (its forward's and, later, its

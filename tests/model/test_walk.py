@@ -130,3 +130,20 @@ def test_along_a_20_step_training_run_every_walked_step_equals_the_reference(rea
         _assert_same_step(full, walked, f"step {step}")
         opt.step()
         model.update_moe_bias(full[0].expert_load, full[0].expert_margins)
+
+
+def test_kept_selections_come_back_from_their_file_as_they_went():
+    from megabase.model.walk import Kept
+
+    kept = Kept()
+    gen = torch.Generator().manual_seed(5)
+    parts = {(1, "select", i): torch.randint(-1, 3_000_000, (2, 37 + i, 9), generator=gen)
+             for i in range(4)}
+    for key, idx in parts.items():
+        kept.put(key, idx)
+    assert kept.size == sum(t.numel() * 4 for t in parts.values())
+    for key in reversed(list(parts)):  # the backward takes them in reverse
+        got = kept.take(key)
+        assert got.dtype == torch.int64 and torch.equal(got, parts[key])
+    assert not kept.places
+    kept.close()

@@ -80,6 +80,28 @@ def test_dp2_cp2_matches_one_process_and_its_checkpoint_evaluates_alone(bundled_
     assert resumed[5]["loss"] < resumed[1]["loss"]
 
 
+def test_dp2_cp2_walked_in_segments_matches_one_process_whole(bundled_store, tmp_path):
+    """A context group walks each 4,096-token window in segments of 2 x 1,024 (each rank's share
+    of a segment 1,024 tokens), with recompute: the same losses as one process taking each
+    window whole."""
+    assert main(_run(tmp_path, bundled_store, "one")) == 0
+    proc = subprocess.run([sys.executable, "-m", "megabase.pipeline.cli",
+                           *_run(tmp_path, bundled_store, "walked", "--devices", "4",
+                                 "--context-parallel", "2", "--set", "train.recompute=layer",
+                                 "--set", "train.segment=1024", "--set", "train.segment_from=0")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, walked = (read_train_log(tmp_path / "runs" / n) for n in ("one", "walked"))
+    assert sorted(walked) == [1, 2, 3]
+    assert all(walked[s]["segments"] == 2 and one[s]["segments"] == 1 for s in walked)
+    assert abs(walked[1]["loss"] - one[1]["loss"]) <= 1e-6 * one[1]["loss"]
+    for step in (2, 3):
+        assert abs(walked[step]["loss"] - one[step]["loss"]) <= 1e-4 * one[step]["loss"]
+    w1, w2 = _weights(tmp_path / "runs" / "one"), _weights(tmp_path / "runs" / "walked")
+    flat = [torch.cat([w[k].flatten().double() for k in sorted(w)]) for w in (w1, w2)]
+    assert rel_rms(flat[1], flat[0]) <= 1e-4
+
+
 def test_each_data_replica_takes_its_part_of_every_global_batch(monkeypatch):
     import torch.distributed as dist
 
