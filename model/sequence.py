@@ -10,7 +10,8 @@ border, and each layer calls them on its call's ``Context.sequence``:
   same for tokens (the DSA candidate stage's seeds read them); ``key_grads()``: where the kernels
   add the gradients of the keys ``prefix`` returned (None: autograd carries them back);
   ``select(indexer)``: the DSA indexer's top-k of this part's queries (a walk runs the indexer
-  once per segment, in its forward, and keeps what it chose for the backward).
+  once per segment, in its forward, and keeps what it chose for the backward), ``selects()``
+  whether this pass runs it (the candidate stage's seeds are built only then).
 * ``kda(...)``: the KDA op over the whole sequence.
 * ``balance(loss, load, share, T)``: the MoE sequence-wise balance loss of the whole sequence from
   this part's counts and scores; ``fraction(T)``: this part's share of the sequence's queries (the
@@ -52,6 +53,11 @@ class OneProcess:
         into which the backward adds their gradients (the kernels' ``key_grads``), or None: the
         kernels return them through autograd, as here."""
         return None
+
+    def selects(self) -> bool:
+        """Whether this pass runs the indexer (a walk's backward pass takes its forward's
+        selections: the candidate stage's seeds are then not built)."""
+        return True
 
     def select(self, indexer) -> torch.Tensor:
         """The selections ``[B, T, topk]`` of this part's queries: ``indexer()``, the call that

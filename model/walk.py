@@ -280,6 +280,9 @@ class Segment(OneProcess):
         the kernels add into them where the rows are (earlier segments' rows and this one's)."""
         return self.sinks
 
+    def selects(self) -> bool:
+        return not self.grad
+
     def select(self, indexer) -> torch.Tensor:
         """The forward's pass runs ``indexer()`` and keeps its top-k (int32); the backward's pass
         takes them back instead of selecting again."""
@@ -345,14 +348,16 @@ class _Prefix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, segment, buffers, grads, *xs):
-        ctx.segment, ctx.grads = segment, grads
+        # its numbers, not the segment: the segment keeps this node's outputs (a cycle would
+        # keep the pass's whole graph alive until the garbage collector ran)
+        ctx.span, ctx.rows, ctx.grads = segment.span, (segment.start, segment.end), grads
+        ctx.group = segment.walk.group
         ctx.set_materialize_grads(False)  # a kernel that added in place sends none
         return tuple(buf[:, : segment.end] for buf in buffers)
 
     @staticmethod
     def backward(ctx, *outs):
-        seg = ctx.segment
-        (a, b), (start, end), group = seg.span, (seg.start, seg.end), seg.walk.group
+        (a, b), (start, end), group = ctx.span, ctx.rows, ctx.group
         for g, acc in zip(outs, ctx.grads):
             if g is not None:
                 acc[:, :end] += g
