@@ -189,6 +189,14 @@ class Segment(OneProcess):
         for view in self.views.values():
             view.sealed = True
 
+    def release(self) -> None:
+        """The pass is over: what the calls returned is dropped (autograd's graph can hold the
+        views in reference cycles, through checkpoint closures, until the garbage collector runs;
+        the selections and borders they kept must not wait with them)."""
+        for view in [self, *self.views.values()]:
+            view.calls.clear()
+            view.sinks = None
+
     def _next(self, kind: str):
         """``(key, replay)``: the call's key, and what it returned before if this is a replay."""
         if self.sealed:
@@ -430,7 +438,8 @@ class _Walked(torch.autograd.Function):
         with torch.no_grad():
             for i in range(len(walk.bounds)):
                 a, b = walk.piece(i)
-                out, _ = _segment_call(model, walk, i, False, targets, loss_mask, ctx)
+                out, seq = _segment_call(model, walk, i, False, targets, loss_mask, ctx)
+                seq.release()
                 lm_sum = lm_sum + out.lm_loss.double() * out.n_tokens
                 aux = aux + out.aux_loss.double()
                 n += out.n_tokens
@@ -482,6 +491,7 @@ class _Walked(torch.autograd.Function):
                     sink[key] = g
             walk.roots, walk.leaves = [], []
             walk.send_back(i)
+            seq.release()
             del out, objective, roots, found
             walk.between()
         walk.selected.close()
