@@ -128,8 +128,9 @@ class HybridLM(nn.Module):
 
     def seed_keys(self, input_ids: torch.Tensor, state: dict | None = None, sequence=ONE_PROCESS):
         """The DSA candidate stage's seeds of these queries ``[B, T, S]``, shared by every DSA
-        layer (None where no query reaches the stage, or where the pass does not select). They read every token before a query: a
-        streamed sequence keeps its tokens in ``state``, a sharded one gathers them."""
+        layer (None where no query reaches the stage, or where the pass does not select). They
+        read every token before a query: a streamed sequence keeps its tokens in ``state``, a
+        sharded one gathers them."""
         stage = self.cfg.stage()
         if stage is None or not stage.seed or "D" not in self.cfg.layer_kinds \
                 or not sequence.selects():

@@ -96,12 +96,11 @@ class Walk:
         g = self.group
         if g.size == 1 or index == 0:
             return
-        made = [(self.tails, self.tail_grads, k) for k in self.tails if k[1] == index - 1
-                and self.tails[k].is_floating_point()]
-        made += [(self.states, self.state_grads, (k[0], index - 1)) for k in self.states
+        made = [(value, self.tail_grads, k) for k, value in self.tails.items()
+                if k[1] == index - 1 and value.is_floating_point()]
+        made += [(value, self.state_grads, (k[0], index - 1)) for k, value in self.states.items()
                  if k[1] == index]
-        for kept, grads, key in made:
-            value = kept[key] if kept is self.tails else kept[key[0], index]
+        for value, grads, key in made:
             mine = grads.pop(key, None) if g.rank == 0 else None
             got = g.gather(torch.zeros_like(value) if mine is None else mine)[0]
             if g.rank == g.size - 1:
@@ -273,10 +272,8 @@ class Segment(OneProcess):
         buffers = w.keys[key]
         if not self.grad:  # written once: the backward's pass recomputes the same rows
             a, b = self.span
-            every = g.gather(torch.cat([x.detach().flatten(2) for x in xs], dim=-1))
-            pieces = every.transpose(0, 1).flatten(1, 2)  # [B, b - a, channels]
-            for buf, part in zip(buffers, pieces.split([x[0, 0].numel() for x in xs], dim=-1)):
-                buf[:, a:b] = part.unflatten(-1, buf.shape[2:])
+            every = g.gather(_packed([x.detach() for x in xs]))  # [P, B, n, channels]
+            _unpack(every.transpose(0, 1).flatten(1, 2), buffers, a, b)
             return self._keep("prefix", tuple(buf[:, : self.end] for buf in buffers))
         if key not in w.key_grads:
             w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
@@ -370,10 +367,20 @@ class _Prefix(torch.autograd.Function):
             if g is not None:
                 acc[:, :end] += g
         if group.size > 1:
-            rows = group.reduce(torch.cat([acc[:, a:b].flatten(2) for acc in ctx.grads], dim=-1))
-            for acc, part in zip(ctx.grads, rows.split([acc[0, 0].numel() for acc in ctx.grads], -1)):
-                acc[:, a:b] = part.unflatten(-1, acc.shape[2:])
+            _unpack(group.reduce(_packed([acc[:, a:b] for acc in ctx.grads])), ctx.grads, a, b)
         return (None, None, None, *(acc[:, start:end].clone() for acc in ctx.grads))
+
+
+def _packed(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, n, ...]`` tensors side by side as ``[B, n, channels]``: one exchange for them all."""
+    return torch.cat([x.flatten(2) for x in xs], dim=-1)
+
+
+def _unpack(rows: torch.Tensor, buffers: list[torch.Tensor], a: int, b: int) -> None:
+    """:func:`_packed` ``rows [B, b - a, channels]`` written back into ``buffers[:, a:b]``."""
+    widths = [buf[0, 0].numel() for buf in buffers]
+    for buf, part in zip(buffers, rows.split(widths, dim=-1)):
+        buf[:, a:b] = part.unflatten(-1, buf.shape[2:])
 
 
 def unwalkable(model, ctx: Context) -> str | None:

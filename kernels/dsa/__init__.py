@@ -90,7 +90,7 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = BLOCK_Q,
     _check_key_grads(key_grads, k, v)
     if impl is cpu:
         return cpu.sparse_attention(q, k, v, indices, scale, block_q, return_probs, key_grads)
-    k, v = (reference.grad_into(x, buf) for x, buf in zip((k, v), key_grads))
+    k, v = reference.grads_into(key_grads, k, v)
     return impl.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
 
 
@@ -112,8 +112,8 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None, backend:
     if impl is cpu:
         return cpu.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale,
                                      key_grads=key_grads)
-    return impl.indexer_kl_sparse(q_idx, reference.grad_into(k_idx, key_grads[0]), w_idx, indices,
-                                  target, scale)
+    (k_idx,) = reference.grads_into(key_grads, k_idx)
+    return impl.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale)
 
 
 def _check_key_grads(buffers, *keys: torch.Tensor) -> None:

@@ -168,12 +168,6 @@ def _sink(buffer: torch.Tensor | None, like: torch.Tensor) -> bool:
             and buffer.shape[1] >= like.shape[1])
 
 
-def _grads_into(key_grads, *keys):
-    """``keys`` as the C kernels take them when the reference's ``key_grads`` route applies (a
-    buffer the C backward cannot write): their gradients then reach the buffers through autograd."""
-    return tuple(reference.grad_into(x, buf) for x, buf in zip(keys, key_grads))
-
-
 class _Attention(torch.autograd.Function):
     """``q [B, Tq, HQ, D]``, ``k [B, Tk, H, D]``, ``v [B, Tk, H, DV]`` (fp32, contiguous),
     ``indices [B, Tq, K]`` -> ``(o [B, Tq, HQ, DV], probs [B, Tq, K])``. ``key_grads``: None, or
@@ -228,13 +222,13 @@ def sparse_attention(q, k, v, indices, scale=None, block_q: int = reference.BLOC
     """
     if q.device.type != "cpu" or _attention_lib() is None or q.shape[1] == 0 or not indices.shape[-1]:
         if key_grads is not None:
-            k, v = _grads_into(key_grads, k, v)
+            k, v = reference.grads_into(key_grads, k, v)
         return reference.sparse_attention(q, k, v, indices, scale, block_q, return_probs)
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
     k, v = k.float().contiguous(), v.float().contiguous()
     if key_grads is not None and not (_sink(key_grads[0], k) and _sink(key_grads[1], v)):
-        k, v = _grads_into(key_grads, k, v)
+        k, v = reference.grads_into(key_grads, k, v)
         key_grads = None
     o, probs = _Attention.apply(q.float().contiguous(), k, v, indices.long().contiguous(), scale,
                                 key_grads)
@@ -301,7 +295,7 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None,
     if q_idx.device.type != "cpu" or _attention_lib() is None or q_idx.shape[1] == 0 \
             or not indices.shape[-1]:
         if key_grads is not None:
-            (k_idx,) = _grads_into(key_grads, k_idx)
+            (k_idx,) = reference.grads_into(key_grads, k_idx)
         return reference.indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale, block_q)
     B, Tq, HI, DI = q_idx.shape
     scale = DI**-0.5 if scale is None else scale
@@ -313,7 +307,7 @@ def indexer_kl_sparse(q_idx, k_idx, w_idx, indices, target, scale=None,
         return q.new_tensor(_kl_value(q, k, w, idx, p, scale)) / max(B * Tq, 1)
     key_grad = None if key_grads is None else key_grads[0]
     if key_grad is not None and not _sink(key_grad, k):
-        (k,) = _grads_into(key_grads, k)
+        (k,) = reference.grads_into(key_grads, k)
         key_grad = None
     total = _IndexerKL.apply(q, k, w, idx, p, scale, key_grad)
     return total / max(B * Tq, 1)

@@ -440,11 +440,14 @@ class _GradInto(torch.autograd.Function):
         return None, None
 
 
-def grad_into(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``x``, whose gradient the backward adds into ``buffer [B, >= T, ...]`` instead of returning
-    it: the ``key_grads`` route of the sparse attention and the indexer loss, in plain PyTorch
-    (the C kernels add in place; this form makes the full-length gradient first)."""
-    return _GradInto.apply(x, buffer) if x.requires_grad and torch.is_grad_enabled() else x
+def grads_into(buffers, *keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``keys``, each of whose gradient the backward adds into its buffer ``[B, >= T, ...]``
+    instead of returning it: the ``key_grads`` route of the sparse attention and the indexer
+    loss in plain PyTorch, for every backend whose kernel does not add in place (the C kernels
+    do; this form makes each full-length gradient first)."""
+    on = torch.is_grad_enabled()
+    return tuple(_GradInto.apply(x, buf) if on and x.requires_grad else x
+                 for x, buf in zip(keys, buffers))
 
 
 @full_precision
