@@ -90,7 +90,9 @@ def _vectors(x: torch.Tensor) -> torch.Tensor:
     """``[B, n, *rest]`` -> ``[B, ceil(n / VW), *rest, VW]``: VW rows at a time, each block
     transposed so that one channel of VW rows is one vector (zero-padded)."""
     B, n = x.shape[:2]
-    x = torch.nn.functional.pad(x.reshape(B, n, -1), (0, 0, 0, (-n) % VW))
+    x = x.reshape(B, n, -1)
+    if n % VW:  # (a pad of nothing would still copy the whole prefix)
+        x = torch.nn.functional.pad(x, (0, 0, 0, (-n) % VW))
     return x.reshape(B, -1, VW, x.shape[-1]).transpose(2, 3).contiguous()
 
 
