@@ -71,6 +71,7 @@ def holding(path: str | Path, what: str, wait: bool = False,
             fd, depth = _held[key]
             _held[key] = (fd, depth - 1)
         return
+    made = _missing(lock.parent)
     try:
         fd = _acquire(lock, what, path, wait, poll_s, instead)
     except OSError as exc:
@@ -78,6 +79,9 @@ def holding(path: str | Path, what: str, wait: bool = False,
             raise
         yield lock  # read-only storage: nothing can be built there for a lock to guard
         return
+    except BaseException:
+        _remove_empty(made)
+        raise
     _held[key] = (fd, 1)
     try:
         yield lock
@@ -85,16 +89,41 @@ def holding(path: str | Path, what: str, wait: bool = False,
         del _held[key]
         lock.unlink(missing_ok=True)  # before the release: a waiter then finds its file gone
         os.close(fd)  # closing the descriptor releases the lock
+        _remove_empty(made)
+
+
+def _missing(folder: Path) -> list[Path]:
+    """The folders from ``folder`` up that do not exist yet, deepest first: what taking a lock
+    in ``folder`` creates."""
+    made = []
+    folder = folder.absolute()
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    return made
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the folders a lock created, deepest first, where they are still empty (a refused
+    run leaves no empty ``runs/`` behind; a run's folder, or another's lock, keeps them)."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _acquire(lock: Path, what: str, path, wait: bool, poll_s: float, instead: str) -> int:
     """A descriptor of ``lock`` holding its flock, with this process written in it. The file
     is removed on release, so a lock is only good on the file still at that path: a waiter
     that wins on a removed file opens the new one and tries again."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
     told = False
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # its folder, empty, was just removed by a releasing holder
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
