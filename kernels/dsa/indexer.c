@@ -208,14 +208,15 @@ int megabase_dsa_indexer(const float *q, const float *kb, const float *w, int64_
     return 0;
 }
 
-/* ---- The candidate stage (see candidates.py): the same scores, on a query's candidates only.
+/* The candidate stage (see stage.py): the same scores, on a query's candidates only.
  *
  * A query at pos scores the summaries of the blocks before its local window, keeps the best
  * `nkeep` blocks, then scores exactly the keys of those blocks, of the local window L..pos and its
  * seeds (int32 [R, S], -1 padded; those inside a kept block or the window are skipped, being
  * there already). Key scores are computed lane by lane as one_row computes them, so a key's score
- * is bit for bit the exact kernel's; the top-k of the candidates is taken by radix select in the
- * same total order (score desc, position desc). Summaries: sb [B, ceil(nblk / VW), rows, DI, VW]
+ * is bit for bit the exact kernel's; blocks and keys are kept by running top-k buffers in the
+ * same total order (score desc, position desc), whatever order they arrive in. Summaries:
+ * sb [B, ceil(nblk / VW), rows, DI, VW]
  * (rows 1: mean key; rows 2: per-channel max then min).
  */
 
