@@ -73,7 +73,7 @@ class TrainConfig:
     seed: int = 0
     seq_warmup: bool = True  # short windows first, doubling up to data.window_length
     seq_warmup_start: int = 2048
-    seq_warmup_steps: int = 40  # optimizer steps per length
+    seq_warmup_steps: int = 40  # optimizer steps per length, fewer where the run needs (.warmup)
     indexer_warmup_steps: int = 0  # first steps with dense DSA attention, the indexer fitted to it
     # fine-tuning: start from this checkpoint's weights and model (model.overrides may then set
     # only the kernels and the DSA candidate stage); a fresh optimizer and schedule

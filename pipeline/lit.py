@@ -22,6 +22,7 @@ from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
 from .memory import heap_trimmer
 from .summary import moe_warning
+from .warmup import LengthWarmup
 
 
 COLLAPSE_RATIO = 3.0  # max/mean expert load above which a layer is reported as collapsing
@@ -33,15 +34,6 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def window_length_at(step: int, cfg: RunConfig) -> int:
-    """Training length at optimizer step ``step``: the sequence-length warm-up, if enabled."""
-    full = cfg.data.window_length
-    t = cfg.train
-    if not t.seq_warmup:
-        return full
-    return min(full, t.seq_warmup_start * 2 ** (step // t.seq_warmup_steps))
 
 
 class StepLog(pl.Callback):
@@ -105,6 +97,7 @@ class LitLM(pl.LightningModule):
         self._load = self._margins = self._kl = None
         self._flagged: set[int] = set()  # MoE layers already warned about (one line each)
         self._tokens, self._segments = 0, 1
+        self.lengths = LengthWarmup(cfg)  # the sequence-length warm-up (.warmup)
         self._tick = time.perf_counter()
         self.progress = False  # the trainer's progress output is on (a walked step then reports)
         self.history: list[dict] = []  # per optimizer step, for the final summary and tests
@@ -120,7 +113,7 @@ class LitLM(pl.LightningModule):
         self._parallelized = True
 
     def training_step(self, batch, batch_idx):
-        length = window_length_at(self.global_step, self.cfg)
+        length = self.lengths.length
         ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
         mask = batch["loss_mask"][:, :length]
         frac = repeat_frac_at(self.global_step, self.cfg.data)
@@ -218,7 +211,7 @@ class LitLM(pl.LightningModule):
                "aux_loss": float(self._aux), "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
                "tokens_per_s": self._tokens / max(now - self._tick, 1e-9),
                "peak_mem_gib": peak_memory_gib(self.device),
-               "window_length": window_length_at(self.global_step - 1, self.cfg),
+               "window_length": self.lengths.at(self.global_step - 1),
                "segments": self._segments}
         per_layer = {}
         if self._load is not None and self._load.numel():
@@ -246,6 +239,17 @@ class LitLM(pl.LightningModule):
         self.log_dict({k: v for k, v in row.items() if k not in ("step", *shown)
                        and not isinstance(v, list)} | per_layer, on_step=True)
         self._load, self._margins, self._kl, self._tokens, self._tick = None, None, None, 0, now
+        self.lengths.advance(self.global_step, self._training_minutes())
+
+    def _training_minutes(self) -> float | None:
+        """Minutes of training so far by Lightning's timer (``train.max_minutes``'s clock, which
+        a resumed run carries on), rank 0's on every rank; None without a cap."""
+        from lightning.pytorch.callbacks import Timer
+
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        if timer is None:
+            return None
+        return self.trainer.strategy.broadcast(timer.time_elapsed("train") / 60, src=0)
 
     def _warn_collapse(self, ratio: torch.Tensor, idle: torch.Tensor) -> None:
         """One line in the progress output the first time a MoE layer routes more than
@@ -279,8 +283,11 @@ class LitLM(pl.LightningModule):
         checkpoint["megabase_rng"] = {
             "torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].tolist(),
             "python": list(random.getstate()[1])}
+        checkpoint["megabase_lengths"] = self.lengths.state_dict()
 
     def on_load_checkpoint(self, checkpoint):
+        self.lengths.load_state_dict(checkpoint.get("megabase_lengths"),
+                                     int(checkpoint.get("global_step", 0)))
         rng = checkpoint.get("megabase_rng")
         if rng:
             torch.set_rng_state(rng["torch"])

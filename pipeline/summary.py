@@ -282,6 +282,15 @@ def moe_health(rows: list[dict]) -> list[str]:
     return out
 
 
+def lengths_trained(rows: list[dict]) -> str:
+    """``"150 x 2,048, ..., 2 x 1,048,576"``: how many of ``rows``' steps trained at each length
+    (the sequence-length warm-up's, in order)."""
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[r["window_length"]] = counts.get(r["window_length"], 0) + 1
+    return ", ".join(f"{n} x {length:,}" for length, n in counts.items())
+
+
 def print_train(result) -> None:
     """Steps, final loss, speed, and where the checkpoint and the MLflow run are."""
     console = Console()
@@ -297,6 +306,7 @@ def print_train(result) -> None:
         first, last = rows[0], rows[-1]
         table.add_row("loss (bits/base)", f"{first['bits_per_base']:.4f} at step {first['step']} "
                       f"-> {last['bits_per_base']:.4f} at step {last['step']}")
+        table.add_row("window lengths", lengths_trained(rows))
         speed = sum(r["tokens_per_s"] for r in rows) / len(rows)
         table.add_row("tokens/s (mean)", f"{speed:,.0f}")
         table.add_row("peak memory", f"{max(r['peak_mem_gib'] for r in rows):.2f} GiB")

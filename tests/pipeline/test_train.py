@@ -167,7 +167,7 @@ def test_run_end_to_end_then_every_stage_skips(bundled_store, tmp_path, capsys):
 
 def test_sequence_length_warmup_doubles():
     from megabase.pipeline.config import load_config
-    from megabase.pipeline.lit import window_length_at
+    from megabase.pipeline.warmup import window_length_at
 
     cfg = load_config(None, ["train.seq_warmup_start=4096", "train.seq_warmup_steps=8",
                              "data.window_length=16384"])

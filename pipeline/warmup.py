@@ -1,0 +1,96 @@
+"""The sequence-length warm-up: short windows first, doubling up to ``data.window_length``.
+
+Lengths ``seq_warmup_start * 2**k`` for ``k = 0 .. n-1`` (those below the window length), then the
+window length. Each shorter length lasts ``train.seq_warmup_steps`` optimizer steps, and ends
+sooner where the run could not otherwise reach its window length:
+
+- in steps, when the ``n`` shorter lengths' steps would fill all of ``train.steps`` (a 1,048,576
+  window from 2,048 is nine lengths: 150 steps each is 1,350, more than the human protocol's 800):
+  length ``k`` then ends by step ``(k + 1) * steps / (2n)``, the warm-up in the first half;
+- in time, under ``train.max_minutes``: length ``k`` ends by minute ``(k + 1) * max_minutes /
+  (2n)`` of training. A step's cost grows with its length (about 21 minutes at 1,048,576 on 2
+  cores), so 150 steps a length would spend an hour's cap on the short ones.
+
+With no cap the schedule is a function of the step alone. Under a cap it depends on the machine's
+speed, so the step at which each length began is kept (:meth:`state_dict`, in the training
+checkpoint) and a resumed run goes on from it; with several processes rank 0's clock decides.
+"""
+
+from __future__ import annotations
+
+from .config import RunConfig
+
+
+class LengthWarmup:
+    """The training length per optimizer step; :meth:`advance` after each step moves it on.
+
+    ``lengths``: the warm-up's lengths, the window length last; ``starts[k]``: the step at which
+    ``lengths[k]`` began (as far as reached)."""
+
+    def __init__(self, cfg: RunConfig):
+        t, full = cfg.train, cfg.data.window_length
+        self.lengths = [full]
+        if t.seq_warmup:
+            self.lengths = []
+            length = t.seq_warmup_start
+            while length < full:
+                self.lengths.append(length)
+                length *= 2
+            self.lengths.append(full)
+        self.per_length, self.steps, self.minutes = t.seq_warmup_steps, t.steps, t.max_minutes
+        self.starts = [0]
+
+    @property
+    def n(self) -> int:
+        """How many lengths are shorter than the window."""
+        return len(self.lengths) - 1
+
+    @property
+    def length(self) -> int:
+        """The length of the next step."""
+        return self.lengths[len(self.starts) - 1]
+
+    def _step_bound(self, k: int) -> float:
+        if self.n * self.per_length < self.steps:
+            return float("inf")
+        return (k + 1) * self.steps / (2 * self.n)
+
+    def _ends(self, k: int, step: int, minutes: float | None) -> bool:
+        if step - self.starts[k] >= self.per_length or step >= self._step_bound(k):
+            return True
+        return self.minutes is not None and minutes is not None and \
+            minutes >= (k + 1) * self.minutes / (2 * self.n)
+
+    def advance(self, step: int, minutes: float | None = None) -> int:
+        """After ``step`` optimizer steps, ``minutes`` of training: the length of the next step
+        (one or more shorter lengths are passed over where their bounds are already behind)."""
+        while len(self.starts) <= self.n and self._ends(len(self.starts) - 1, step, minutes):
+            self.starts.append(step)
+        return self.length
+
+    def at(self, step: int) -> int:
+        """The length at ``step`` as far as the schedule has gone."""
+        k = max(i for i, s in enumerate(self.starts) if s <= step)
+        return self.lengths[k]
+
+    def state_dict(self) -> dict:
+        return {"lengths": list(self.lengths), "starts": list(self.starts)}
+
+    def load_state_dict(self, state: dict | None, step: int) -> None:
+        """The schedule of a checkpoint written at ``step``; one from before the schedule was saved
+        (or of other lengths: a run resumed with a new window) is replayed by steps alone."""
+        if state and state.get("lengths") == self.lengths:
+            self.starts = list(state["starts"])
+            return
+        self.starts = [0]
+        for s in range(step + 1):
+            self.advance(s)
+
+
+def window_length_at(step: int, cfg: RunConfig) -> int:
+    """Training length at optimizer step ``step`` with the schedule's step bounds alone (no
+    ``max_minutes``): what a run without a time cap trains at."""
+    warm = LengthWarmup(cfg)
+    for s in range(step + 1):
+        warm.advance(s)
+    return warm.at(step)

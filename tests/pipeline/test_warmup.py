@@ -1,0 +1,90 @@
+"""The sequence-length warm-up (megabase.pipeline.warmup): the protocols' schedules, the bounds
+that let a long window be reached within the run's steps and minutes, and its checkpointed state."""
+
+from pathlib import Path
+
+from megabase.pipeline.cli import main
+from megabase.pipeline.config import load_config
+from megabase.pipeline.train import read_train_log
+from megabase.pipeline.warmup import LengthWarmup, window_length_at
+
+from tests.pipeline.test_train import tiny
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def walk(warm: LengthWarmup, steps: int, minutes_per_token: float | None = None):
+    """Run ``warm`` through ``steps`` steps; with ``minutes_per_token``, a clock that each step
+    moves by its length's cost. Returns the length of every step."""
+    out, clock = [], 0.0
+    for s in range(steps):
+        out.append(warm.length)
+        if minutes_per_token is not None:
+            clock += warm.length * minutes_per_token
+        warm.advance(s + 1, clock if minutes_per_token is not None else None)
+    return out
+
+
+def test_the_protocols_keep_their_steps_per_length():
+    human = LengthWarmup(load_config(str(CONFIGS / "human-chr22-cpu.yaml"), []))
+    walk(human, 800)
+    assert human.starts == [0, 150, 300, 450]
+    demo = LengthWarmup(load_config(str(CONFIGS / "demo.yaml"), []))
+    walk(demo, 128)
+    assert demo.starts == [0, 40, 80, 120]
+
+
+def test_a_million_base_window_is_reached_within_the_first_half_of_the_steps():
+    cfg = load_config(str(CONFIGS / "human-chr22-cpu.yaml"), ["data.window_length=1048576",
+                                                               "train.max_minutes=null"])
+    lengths = walk(LengthWarmup(cfg), 800)  # 9 lengths x 150 steps would be 1,350 steps
+    assert lengths[0] == 2048 and lengths.index(1048576) <= 400
+    assert lengths.count(1048576) == 800 - lengths.index(1048576)
+    assert sorted(set(lengths)) == [2048 * 2 ** k for k in range(10)]  # every length, in order
+    assert lengths == sorted(lengths)
+
+
+def test_under_a_time_cap_each_shorter_length_ends_by_its_share_of_the_minutes():
+    """The human protocol at 1,048,576 under its 60 minutes, on a clock of this machine's cost
+    (about 1.2 ms a token on 2 cores): the steps reach the window length before the cap."""
+    cfg = load_config(str(CONFIGS / "human-chr22-cpu.yaml"), ["data.window_length=1048576"])
+    warm = LengthWarmup(cfg)
+    clock, step = 0.0, 0
+    while clock < 60:
+        clock += warm.length * 1.2e-3 / 60
+        step += 1
+        warm.advance(step, clock)
+    assert warm.length == 1048576
+    k_full = len(warm.lengths) - 1
+    assert len(warm.starts) == k_full + 1 and warm.starts[k_full] < step
+    # and a cap no step reaches leaves the step bounds alone
+    slow = LengthWarmup(load_config(str(CONFIGS / "human-chr22-cpu.yaml"), []))
+    assert walk(slow, 800, minutes_per_token=1e-9).count(2048) == 150
+
+
+def test_a_resumed_schedule_goes_on_from_its_saved_starts():
+    cfg = load_config(str(CONFIGS / "human-chr22-cpu.yaml"), ["data.window_length=1048576"])
+    timed = LengthWarmup(cfg)
+    walk(timed, 60, minutes_per_token=2e-4)  # a clock that ended lengths early
+    replayed = LengthWarmup(cfg)
+    replayed.load_state_dict(None, 60)  # a checkpoint without the schedule: steps alone
+    assert replayed.starts != timed.starts
+    resumed = LengthWarmup(cfg)
+    resumed.load_state_dict(timed.state_dict(), 60)
+    assert resumed.starts == timed.starts and resumed.length == timed.length
+    other = LengthWarmup(load_config(str(CONFIGS / "human-chr22-cpu.yaml"), []))
+    other.load_state_dict(timed.state_dict(), 60)  # another window: its own lengths, by steps
+    assert other.length == window_length_at(60, load_config(
+        str(CONFIGS / "human-chr22-cpu.yaml"), [])) == 2048
+
+
+def test_a_run_logs_the_length_of_each_step_and_sums_them_up(bundled_store, tmp_path, capsys):
+    """Two shorter lengths of 8 steps would fill a 6-step run: they share its first half."""
+    args = tiny(tmp_path, bundled_store, 6, **{"train.seq_warmup": "true",
+                                                "train.seq_warmup_start": "512",
+                                                "train.seq_warmup_steps": "8"})
+    assert main(["train", *args]) == 0
+    rows = read_train_log(tmp_path / "runs" / "tiny")
+    assert [rows[s]["window_length"] for s in sorted(rows)] == [512, 512, 1024, 2048, 2048, 2048]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 x 512, 1 x 1,024, 3 x 2,048" in out
