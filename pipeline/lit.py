@@ -63,7 +63,8 @@ class LogProgress(pl.Callback):
             return
         row = pl_module.history[-1]
         t = pl_module.cfg.train
-        self.bar.update(1, note=f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']}",
+        self.bar.update(1, note=f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']} "
+                                f"({row['window_length']:,} tokens)",
                         tokens=row["window_length"] * t.batch_size * t.grad_accum)
 
     def on_train_end(self, trainer, pl_module):

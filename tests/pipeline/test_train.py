@@ -346,6 +346,6 @@ def test_training_progress_reaches_a_log_file_as_lines(bundled_store, tmp_path):
     steps = [line for line in lines if line.startswith("megabase: train: ")]
     assert len(steps) == 5, lines  # one a step, then the closing line
     assert re.match(r"megabase: train: 2/4 steps \(50%\), .* tokens/s, ETA .*, loss \d\.\d{4} "
-                    r"bits/base at step 2$", steps[1]), steps
+                    r"bits/base at step 2 \(2,048 tokens\)$", steps[1]), steps
     assert steps[-1].startswith("megabase: train: 4 steps done in ")
     assert "\r" not in log.read_text()  # no bar redrawn into the file
