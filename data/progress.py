@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 EVERY_S = 30.0  # seconds between log lines when stderr is not a terminal
 ENV_EVERY_S = "MEGABASE_PROGRESS_EVERY_S"
@@ -56,6 +57,8 @@ class Progress:
         self.every_s = float(os.environ.get(ENV_EVERY_S, EVERY_S)) if every_s is None else every_s
         self.enabled = bool(enabled)
         self.n, self.counts, self.lines, self.note = 0, {}, 0, ""
+        # seconds left, where the caller knows better than the mean rate (units of unequal cost)
+        self.eta: Callable[[], float | None] | None = None
         self.started = self.last = time.monotonic()
         self._bar = None
         if self.enabled and (bar if bar is not None else _isatty(self.stream)):
@@ -89,7 +92,9 @@ class Progress:
         parts.append(f"{_count(self.n / elapsed)} {units}/s")
         parts += [f"{_count(v / elapsed)} {k}/s" for k, v in self.counts.items()]
         if self.total and 0 < self.n < self.total:
-            parts.append(f"ETA {_seconds(elapsed * (self.total - self.n) / self.n)}")
+            left = self.eta() if self.eta is not None else elapsed * (self.total - self.n) / self.n
+            if left is not None:
+                parts.append(f"ETA {_seconds(left)}")
         if self.note:
             parts.append(self.note)
         return f"megabase: {self.desc}: " + ", ".join(parts)

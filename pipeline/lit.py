@@ -22,7 +22,7 @@ from .config import RunConfig, repeat_frac_at
 from .distributed import Layout, make_layout, objective, parallelize
 from .memory import heap_trimmer
 from .summary import moe_warning
-from .warmup import LengthWarmup
+from .warmup import LengthWarmup, crop
 
 
 COLLAPSE_RATIO = 3.0  # max/mean expert load above which a layer is reported as collapsing
@@ -57,6 +57,7 @@ class LogProgress(pl.Callback):
             since = f" from step {self.start_step}" if self.start_step else ""
             self.bar = Progress(self.steps - self.start_step, f"train{since}", "step",
                                 every_s=self.every_s, bar=False)
+            self.bar.eta = lambda: self._eta(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.bar is None or (batch_idx + 1) % pl_module.cfg.train.grad_accum:
@@ -66,6 +67,19 @@ class LogProgress(pl.Callback):
         self.bar.update(1, note=f"loss {row['bits_per_base']:.4f} bits/base at step {row['step']} "
                                 f"({row['window_length']:,} tokens)",
                         tokens=row["window_length"] * t.batch_size * t.grad_accum)
+
+    def _eta(self, trainer, pl_module) -> float:
+        """Seconds left: the steps left at the window length, at the tokens a second so far (a
+        step's cost grows with its length, so the sequence-length warm-up's short steps would
+        promise an hour's run in minutes), and no later than ``train.max_minutes`` allows."""
+        t = pl_module.cfg.train
+        rate = self.bar.counts.get("tokens", 0) / max(time.monotonic() - self.bar.started, 1e-9)
+        left_steps = self.steps - self.start_step - self.bar.n
+        left = left_steps * pl_module.lengths.lengths[-1] * t.batch_size * t.grad_accum / max(rate, 1e-9)
+        minutes = pl_module.timer_minutes()  # rank 0 alone: no collective here
+        if minutes is not None and t.max_minutes is not None:
+            left = min(left, max(0.0, 60 * (t.max_minutes - minutes)))
+        return left
 
     def on_train_end(self, trainer, pl_module):
         if self.bar is not None:
@@ -115,8 +129,8 @@ class LitLM(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         length = self.lengths.length
-        ids, targets = batch["input_ids"][:, :length], batch["targets"][:, :length]
-        mask = batch["loss_mask"][:, :length]
+        ids, targets, mask = crop(batch["input_ids"], batch["targets"], batch["loss_mask"], length,
+                                  self.cfg.data.max_n_frac)
         frac = repeat_frac_at(self.global_step, self.cfg.data)
         if frac > 0:
             ids, targets, mask = self._plant_repeats(targets, frac,
@@ -244,13 +258,16 @@ class LitLM(pl.LightningModule):
 
     def _training_minutes(self) -> float | None:
         """Minutes of training so far by Lightning's timer (``train.max_minutes``'s clock, which
-        a resumed run carries on), rank 0's on every rank; None without a cap."""
+        a resumed run carries on), rank 0's on every rank (a collective); None without a cap."""
+        minutes = self.timer_minutes()
+        return None if minutes is None else self.trainer.strategy.broadcast(minutes, src=0)
+
+    def timer_minutes(self) -> float | None:
+        """This process's :meth:`_training_minutes`, without the collective."""
         from lightning.pytorch.callbacks import Timer
 
         timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
-        if timer is None:
-            return None
-        return self.trainer.strategy.broadcast(timer.time_elapsed("train") / 60, src=0)
+        return None if timer is None else timer.time_elapsed("train") / 60
 
     def _warn_collapse(self, ratio: torch.Tensor, idle: torch.Tensor) -> None:
         """One line in the progress output the first time a MoE layer routes more than

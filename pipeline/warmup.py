@@ -11,12 +11,18 @@ sooner where the run could not otherwise reach its window length:
   (2n)`` of training. A step's cost grows with its length (about 21 minutes at 1,048,576 on 2
   cores), so 150 steps a length would spend an hour's cap on the short ones.
 
+A shorter step trains on a crop of each window (:func:`crop`): its first tokens, or where those are
+mostly ``N`` (a window may hold ``data.max_n_frac`` of them, a 2,048-token head all of them: a step
+with no loss at all) the stretch with the most bases.
+
 With no cap the schedule is a function of the step alone. Under a cap it depends on the machine's
 speed, so the step at which each length began is kept (:meth:`state_dict`, in the training
 checkpoint) and a resumed run goes on from it; with several processes rank 0's clock decides.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .config import RunConfig
 
@@ -94,3 +100,22 @@ def window_length_at(step: int, cfg: RunConfig) -> int:
     for s in range(step + 1):
         warm.advance(s)
     return warm.at(step)
+
+
+def crop(ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, length: int,
+         max_n_frac: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``length`` tokens of each window: ``ids``, ``targets``, ``mask`` (``loss_mask``) ``[B, L]``
+    -> ``[B, length]``. A row's first ``length`` tokens, unless more than ``max_n_frac`` of their
+    targets are not bases (the windows' own rule, ``data.max_n_frac``): then its ``length``
+    tokens with the most bases, the earliest of equals. A function of the batch alone, so a
+    resumed run and every rank of a context group crop alike."""
+    if length >= mask.shape[1]:
+        return ids, targets, mask
+    head = mask[:, :length].sum(1)
+    poor = head < (1 - max_n_frac) * length
+    if not bool(poor.any()):
+        return ids[:, :length], targets[:, :length], mask[:, :length]
+    sums = torch.nn.functional.pad(mask.long().cumsum(1), (1, 0))  # [B, L + 1]
+    best = (sums[:, length:] - sums[:, :-length]).argmax(1)  # first of the maxima
+    at = torch.where(poor, best, torch.zeros_like(best))[:, None] + torch.arange(length, device=mask.device)
+    return ids.gather(1, at), targets.gather(1, at), mask.gather(1, at)

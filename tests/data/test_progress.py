@@ -48,3 +48,16 @@ def test_a_note_ends_each_line_and_the_latest_wins():
     lines = stream.getvalue().splitlines()
     assert lines[0].endswith(", reward 0.10") and lines[1].endswith(", reward 0.10")
     assert lines[2].endswith(", reward 0.30") and lines[3].startswith("megabase: rl: 3 steps done")
+
+
+def test_a_caller_that_knows_the_time_left_gives_the_eta():
+    """Training under the sequence-length warm-up: its first steps are the cheapest, so the mean
+    rate would promise too early an end; the trainer passes its own estimate (or none)."""
+    log = io.StringIO()
+    with progress(10, "train", unit="step", every_s=0, stream=log) as bar:
+        bar.eta = lambda: 3725.0
+        bar.update(1)
+        bar.eta = lambda: None
+        bar.update(1)
+    lines = log.getvalue().splitlines()
+    assert ", ETA 1 h 2 min" in lines[0] and "ETA" not in lines[1]

@@ -88,3 +88,44 @@ def test_a_run_logs_the_length_of_each_step_and_sums_them_up(bundled_store, tmp_
     assert [rows[s]["window_length"] for s in sorted(rows)] == [512, 512, 1024, 2048, 2048, 2048]
     out = " ".join(capsys.readouterr().out.split())
     assert "2 x 512, 1 x 1,024, 3 x 2,048" in out
+
+
+def test_a_short_step_crops_where_the_window_has_bases():
+    import torch
+
+    from megabase.pipeline.warmup import crop
+
+    mask = torch.zeros(3, 12, dtype=torch.bool)
+    mask[0] = True                    # all bases: its head
+    mask[1, 7:] = True                # an N head: the stretch with the most bases, the first such
+    mask[2, 2:4] = True               # a head half bases passes the windows' rule
+    ids = torch.arange(36).view(3, 12)
+    got_ids, got_targets, got_mask = crop(ids, ids + 100, mask, 4, 0.5)
+    assert got_ids.tolist() == [[0, 1, 2, 3], [19, 20, 21, 22], [24, 25, 26, 27]]
+    assert got_targets.tolist() == (got_ids + 100).tolist()
+    assert got_mask.tolist() == [[True] * 4, [True] * 4, [False, False, True, True]]
+    same = crop(ids, ids, mask, 12, 0.5)
+    assert same[0] is ids
+
+
+def test_no_warm_up_step_of_the_human_subset_is_without_bases(hsap_store):
+    """Crops of the 1,048,576-base human windows (58% of chr22 is N): every 2,048-token head that
+    the windows' rule would refuse moves to bases, so no step is left with nothing to learn."""
+    import numpy as np
+    import torch
+
+    from megabase.core.vocab import N_BASES
+    from megabase.data.windows import make_windows
+    from megabase.pipeline.warmup import crop
+
+    windows, _ = make_windows(hsap_store, {"train": ["chr22"]}, 1_048_576, max_n_frac=0.5)
+    tokens = hsap_store.tokens("chr22")
+    mask = torch.from_numpy(np.stack([tokens[w.start:w.end] < N_BASES for w in windows
+                                      if w.length == 1_048_576]))
+    ids = torch.zeros(mask.shape, dtype=torch.long)
+    heads = mask[:, :2048].float().mean(1)
+    assert float(heads.min()) < 0.5  # the defect: some heads are mostly N
+    _, _, cropped = crop(ids, ids, mask, 2048, 0.5)
+    assert float(cropped.float().mean(1).min()) >= 0.5
+    kept = heads >= 0.5  # and a head the rule accepts is left where it is
+    assert torch.equal(cropped[kept], mask[kept, :2048])
