@@ -86,7 +86,8 @@ class LogProgress(pl.Callback):
             self.bar.close()
             self.bar = None
 
-    on_exception = on_train_end
+    def on_exception(self, trainer, pl_module, exception):
+        self.on_train_end(trainer, pl_module)
 
 
 class LitLM(pl.LightningModule):

@@ -319,10 +319,11 @@ def test_curriculum_indexer_warmup_and_routing_health_in_the_log(bundled_store, 
     assert not np.allclose(planted, plain)  # the copies change what is trained on
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_train_interrupted_mid_step_says_so_and_exits_130(bundled_store, tmp_path, sig):
+@pytest.mark.parametrize("sig, quiet", [(signal.SIGTERM, True), (signal.SIGINT, True),
+                                        (signal.SIGTERM, False)])  # progress lines into a log
+def test_train_interrupted_mid_step_says_so_and_exits_130(bundled_store, tmp_path, sig, quiet):
     cmd = [sys.executable, "-m", "megabase.pipeline.cli", "train",
-           *tiny(tmp_path, bundled_store, 400), "--quiet"]
+           *tiny(tmp_path, bundled_store, 400), *(["--quiet"] if quiet else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = tmp_path / "runs" / "tiny" / "train_log.jsonl"
     while proc.poll() is None and not (log.is_file() and log.read_text().count("\n") >= 2):
