@@ -38,7 +38,7 @@ from megabase.kernels.dsa import cpu as dsa_cpu
 from megabase.model.walk import border_bytes
 
 from .config import RunConfig, model_config
-from .memory import apply_recompute, heap_trimmer
+from .memory import apply_recompute, heap_trimmer, proc_status, reset_peak_rss
 
 PROBE = 2048  # tokens of the smaller probe step (the larger has twice as many)
 HEADROOM = 0.9  # the share of available memory a step may plan to use
@@ -59,28 +59,10 @@ class Need:
         return self.now + self.moments + self.activations + self.borders
 
 
-def _status(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    found = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    return int(found.group(1)) * 1024 if found else None
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak RSS (Linux's ``clear_refs`` 5); False where it cannot be."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def available_bytes() -> int | None:
     """Memory this process may still take: ``MemAvailable`` and the cgroup's limit, whichever is
     lower, plus what the process already holds; None where neither can be read."""
-    rss = _status("VmRSS") or 0
+    rss = proc_status("VmRSS") or 0
     limits = []
     try:
         found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
@@ -105,7 +87,7 @@ class Probe:
         from megabase.model import build_model
 
         self.cfg = cfg
-        self.now = _status("VmRSS") or 0
+        self.now = proc_status("VmRSS") or 0
         torch.manual_seed(0)
         self.model = build_model(model_config(cfg)).train()
         if self.model.head is not None:  # zero-started: the layers' backward would be idle
@@ -144,11 +126,11 @@ class Probe:
         model.zero_grad(set_to_none=True)
         if self.trim is not None:
             self.trim()
-        start = _status("VmRSS") or 0
-        _reset_peak()
+        start = proc_status("VmRSS") or 0
+        reset_peak_rss()
         out = model(ids[:, :-1], ids[:, 1:])
         out.loss.backward()
-        peak = (_status("VmHWM") or start) - start
+        peak = (proc_status("VmHWM") or start) - start
         del out
         model.zero_grad(set_to_none=True)
         return peak
@@ -159,7 +141,7 @@ class Probe:
         self.model = None
         if self.trim is not None:
             self.trim()
-        _reset_peak()
+        reset_peak_rss()
 
 
 def step_need(probe: Probe, cfg: RunConfig, length: int | None = None) -> Need:
@@ -185,7 +167,7 @@ def check_fits(cfg: RunConfig) -> Need | None:
     """Refuse (an :class:`InputError`, one line) a CPU run whose training step at its window
     cannot fit in this machine's memory, naming the knob that would make it fit; the estimate
     where it fits, None where it is not checked (a GPU run, no ``/proc``)."""
-    if torch.cuda.is_available() or not _reset_peak():
+    if torch.cuda.is_available() or not reset_peak_rss():
         return None
     room = available_bytes()
     if room is None:

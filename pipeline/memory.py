@@ -9,6 +9,8 @@ are unchanged, so checkpoints load with or without the knobs.
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -130,3 +132,39 @@ def apply_heap_trim(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Mo
         block.register_full_backward_hook(hook)
     model.__megabase_heap_trim__ = True
     return model
+
+
+def proc_status(field: str) -> int | None:
+    """A byte figure of ``/proc/self/status`` (``VmRSS``, ``VmHWM``); None where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(found.group(1)) * 1024 if found else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux's ``clear_refs`` 5); False where it cannot be."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def step_peak_gib(device: torch.device) -> float:
+    """The peak memory since the last call, GiB: on a GPU torch's peak allocation (reset), on a
+    CPU the process's peak RSS (``VmHWM``, then reset), so that each training step's row holds
+    its own peak and not the run's: a 1,048,576-token step after a 32,768-token whole one read the
+    whole one's. Where the peak cannot be reset, the process's peak so far."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    hwm = proc_status("VmHWM")
+    if hwm is None or not reset_peak_rss():
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return hwm / 2**30

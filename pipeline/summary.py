@@ -309,7 +309,11 @@ def print_train(result) -> None:
         table.add_row("window lengths", lengths_trained(rows))
         speed = sum(r["tokens_per_s"] for r in rows) / len(rows)
         table.add_row("tokens/s (mean)", f"{speed:,.0f}")
-        table.add_row("peak memory", f"{max(r['peak_mem_gib'] for r in rows):.2f} GiB")
+        full = [r["peak_mem_gib"] for r in rows if r["window_length"] == last["window_length"]]
+        peak = f"{max(r['peak_mem_gib'] for r in rows):.2f} GiB"
+        if len(full) < len(rows):  # the warm-up's steps too: the longest windows' own peak
+            peak += f" ({max(full):.2f} GiB in the steps of {last['window_length']:,} tokens)"
+        table.add_row("peak memory", peak)
         if "moe_load_per_layer" in last:
             table.add_row("MoE max/mean load per layer (last step)",
                           " ".join(f"{r:.2f}" for r in last["moe_load_per_layer"]))

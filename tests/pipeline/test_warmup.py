@@ -1,6 +1,7 @@
 """The sequence-length warm-up (megabase.pipeline.warmup): the protocols' schedules, the bounds
 that let a long window be reached within the run's steps and minutes, and its checkpointed state."""
 
+import re
 from pathlib import Path
 
 from megabase.pipeline.cli import main
@@ -86,8 +87,9 @@ def test_a_run_logs_the_length_of_each_step_and_sums_them_up(bundled_store, tmp_
     assert main(["train", *args]) == 0
     rows = read_train_log(tmp_path / "runs" / "tiny")
     assert [rows[s]["window_length"] for s in sorted(rows)] == [512, 512, 1024, 2048, 2048, 2048]
-    out = " ".join(capsys.readouterr().out.split())
+    out = re.sub(r"[│\s]+", " ", capsys.readouterr().out)  # the table's cells, unwrapped
     assert "2 x 512, 1 x 1,024, 3 x 2,048" in out
+    assert re.search(r"peak memory \S+ GiB \(\S+ GiB in the steps of 2,048 tokens\)", out), out
 
 
 def test_a_short_step_crops_where_the_window_has_bases():
