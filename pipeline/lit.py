@@ -84,13 +84,14 @@ class LogProgress(pl.Callback):
                         tokens=row["window_length"] * t.batch_size * t.grad_accum)
 
     def _eta(self, trainer, pl_module) -> float:
-        """Seconds left: the steps left at the window length, at the tokens a second so far (a
-        step's cost grows with its length, so the sequence-length warm-up's short steps would
-        promise an hour's run in minutes), and no later than ``train.max_minutes`` allows."""
+        """Seconds left: the tokens of the steps left (their lengths by the warm-up's schedule),
+        at the tokens a second so far (a step's cost grows with its length, so the warm-up's short
+        steps would promise an hour's run in minutes), and no later than ``train.max_minutes``
+        allows."""
         t = pl_module.cfg.train
         rate = self.bar.counts.get("tokens", 0) / max(time.monotonic() - self.bar.started, 1e-9)
-        left_steps = self.steps - self.start_step - self.bar.n
-        left = left_steps * pl_module.lengths.lengths[-1] * t.batch_size * t.grad_accum / max(rate, 1e-9)
+        tokens = pl_module.lengths.tokens_left(pl_module.global_step, self.steps)
+        left = tokens * t.batch_size * t.grad_accum / max(rate, 1e-9)
         minutes = pl_module.timer_minutes()  # rank 0 alone: no collective here
         if minutes is not None and t.max_minutes is not None:
             left = min(left, max(0.0, 60 * (t.max_minutes - minutes)))

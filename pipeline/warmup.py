@@ -79,6 +79,18 @@ class LengthWarmup:
         k = max(i for i, s in enumerate(self.starts) if s <= step)
         return self.lengths[k]
 
+    def tokens_left(self, step: int, steps: int) -> int:
+        """Tokens a window of steps ``step .. steps - 1`` (``step`` done so far), as the schedule
+        stands and by its step bounds ahead: a time bound ends a length sooner, never later, so
+        this is at most what is left."""
+        plan = LengthWarmup.__new__(LengthWarmup)
+        plan.__dict__.update(self.__dict__, starts=list(self.starts), minutes=None)
+        total = 0
+        for s in range(step, steps):
+            total += plan.length
+            plan.advance(s + 1)
+        return total
+
     def state_dict(self) -> dict:
         return {"lengths": list(self.lengths), "starts": list(self.starts)}
 

@@ -131,3 +131,13 @@ def test_no_warm_up_step_of_the_human_subset_is_without_bases(hsap_store):
     assert float(cropped.float().mean(1).min()) >= 0.5
     kept = heads >= 0.5  # and a head the rule accepts is left where it is
     assert torch.equal(cropped[kept], mask[kept, :2048])
+
+
+def test_the_tokens_left_follow_the_schedule():
+    """What the training ETA counts: the demo at step 61 has 19 steps at 4,096, 40 at 8,192 and 8
+    at 16,384 left, not 67 at 16,384."""
+    demo = LengthWarmup(load_config(str(CONFIGS / "demo.yaml"), []))
+    walk(demo, 61)
+    assert demo.tokens_left(61, 128) == 19 * 4096 + 40 * 8192 + 8 * 16384
+    assert demo.starts == [0, 40]  # the estimate leaves the schedule as it was
+    assert demo.tokens_left(128, 128) == 0
