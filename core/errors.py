@@ -54,3 +54,12 @@ class TrainingDivergedError(TrainingError):
 
 class CheckpointWriteError(TrainingError):
     """A checkpoint could not be written; the previous one is untouched and still ``latest``."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop (Ctrl-C, SIGTERM) that kept finished work to resume from; ``kept`` says what, and
+    how to resume, in words for the command's last line."""
+
+    def __init__(self, kept: str):
+        super().__init__(kept)
+        self.kept = kept

@@ -68,6 +68,10 @@ class EvalConfig:
     rebalance_rounds: int = field(default=3, metadata=_help(
         "passes over the rebalance regions, each followed by one bias update"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
+    ci_block: int | None = field(default=None, metadata=_help(
+        "CIs resample stretches of this many bases of each window instead of whole windows "
+        "(for a few long windows, e.g. 65536 for ten of a megabase: each bin then resamples the "
+        "stretches that scored a base in it); empty: whole windows"))
     dsa_stage: str | None = field(default=None, metadata=_help(
         "the DSA indexer's candidate stage to score with: exact (every earlier key), max or "
         "mean; empty: the checkpoint's"))
@@ -105,7 +109,7 @@ class EvalConfig:
                 raise InputError(f"{{probe_distances}} must be positive distances, got {d}",
                                  options=("probe_distances",))
         for name in ("probe_windows", "probe_pairs", "bootstrap", "segment", "length",
-                     "rebalance_rounds"):
+                     "rebalance_rounds", "ci_block"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from megabase.core.errors import Interrupted
 from megabase.data import InputError, TokenStore, make_windows, read_bed
 from megabase.data.names import Region, parse_region
 from megabase.data.windows import first_overlap, resolve_splits
@@ -17,6 +20,7 @@ from megabase.model.checkpoint import held_checkpoint, weights_sha256
 from .bins import cover_edges, default_edges, gain_beyond, paired_gain, whole
 from .config import EvalConfig, check_controls
 from .copymodel import CopyModel, CopySpec
+from .journal import Journal
 from .markov import MarkovModel
 from .probe import probe_distances, recall_probe
 from .rebalance import rebalance_moe
@@ -68,20 +72,23 @@ def fit_markov(store: TokenStore, order: int, train: list[str]) -> MarkovModel:
 
 
 def copy_reference(store: TokenStore, spec: CopySpec, train: list[str], wins, edges,
-                   controls: list[int], n_boot: int, seed: int, progress: bool = True):
+                   controls: list[int], n_boot: int, seed: int, progress: bool = True,
+                   block: int | None = None, journal: Journal | None = None):
     """The copy-model reference (:mod:`megabase.eval.copymodel`) fitted on ``train`` and scored on
     ``wins``, in full and under each context limit of ``controls``: its report entry, and the
-    accumulators of its full curve and of each control (to pair with the model's)."""
+    accumulators of its full curve and of each control (to pair with the model's). ``block``,
+    ``journal``: :func:`~megabase.eval.report.accumulate`'s."""
     started = time.perf_counter()
     model = CopyModel(spec).fit(region_tokens(store, train))
-    full = accumulate(model, store, wins, edges, progress, "copy model")
+    kw = {"block": block, "journal": journal, "counter": model.stats}
+    full = accumulate(model, store, wins, edges, progress, "copy model", **kw)
     entry = {"name": "copy model", "label": spec.label(), "orders": list(spec.orders),
              "seeds": list(spec.seeds), "max_miss": spec.max_miss, "lr": spec.lr,
              **full.summary(n_boot=n_boot, seed=seed), "controls": {}, "context_gain": {}}
     accs = {}
     for c in controls:
         accs[c] = accumulate(truncated(model, c), store, wins, edges, progress,
-                             f"copy model <= {c}")
+                             f"copy model <= {c}", **kw)
         entry["controls"][str(c)] = accs[c].summary(n_boot=n_boot, seed=seed)
         entry["context_gain"][str(c)] = paired_gain(full, accs[c], n_boot, seed)
     matches, predictions, hits = (int(v) for v in model.stats)
@@ -116,18 +123,17 @@ def evaluate(checkpoint: str | Path, data: str | Path, options: EvalConfig | Non
     read, so that the rotation of a run training meanwhile keeps it (``held_checkpoint``).
     ``out``: default :func:`report_folder`, never inside a run's checkpoint (rotation removes
     those). Baselines and the copy model fitted on bases they score are refused
-    (:func:`check_apart`).
+    (:func:`check_apart`). A stopped evaluation resumes from the windows it finished
+    (:mod:`megabase.eval.journal`, kept in ``out``), with the numbers of an uninterrupted one;
+    the report's ``seconds`` counts all its ``tries``.
     Logging the report to a tracking run is the pipeline's
     (:func:`megabase.pipeline.tracking.evaluate_tracked`).
     """
-    started = time.perf_counter()
     o = (options or EvalConfig()).check()
     with held_checkpoint(checkpoint) as held:
         out = Path(out) if out else report_folder(held)
         check_output(out)
-        report = _evaluate(held, data, o, windows, split, progress)
-        report["seconds"] = time.perf_counter() - started
-        return written(report, out)
+        return _evaluate(held, data, o, windows, split, progress, out)
 
 
 def report_folder(checkpoint: Path) -> Path:
@@ -140,8 +146,9 @@ def report_folder(checkpoint: Path) -> Path:
     return ckpt / "eval"
 
 
-def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool) -> dict:
-    """:func:`evaluate`'s scoring of a held ``checkpoint``: the report."""
+def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progress: bool,
+              out: Path) -> dict:
+    """:func:`evaluate`'s scoring of a held ``checkpoint``: the report, written in ``out``."""
 
     config = read_checkpoint_config(checkpoint)
     recorded = config.get("regions") or {}
@@ -171,26 +178,63 @@ def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progre
     model = load_checkpoint(checkpoint, **({"dsa_stage": o.dsa_stage} if o.dsa_stage else {}))
     longest = max(w.length for w in wins)
     edges = cover_edges(o.edges, longest) if o.edges else default_edges(longest)
-    n_boot, seed = o.bootstrap, o.seed
+    sums = {"checkpoint_sha256": weights_sha256(checkpoint),
+            "windows_sha256": windows_sha256(store, wins)}
+    journal = Journal(out, {**sums, "split": split, "edges": edges, "regions": regions,
+                            "train": train, "window_length": length,
+                            "options": {k: v for k, v in dataclasses.asdict(o).items()
+                                        if k not in ("enabled", "regions", "train", "length")}})
+    if len(journal):
+        say(progress, f"megabase: evaluate: resuming {out}: {len(journal)} windows finished by "
+                      f"{journal.tries - 1} earlier {'try' if journal.tries == 2 else 'tries'}")
+    try:
+        report = _score(checkpoint, data, o, store, wins, model, edges, train, regions, split,
+                        longest, windows, length, progress, journal)
+        report.update(sums)
+        report["seconds"], report["tries"] = journal.seconds(), journal.tries
+        report = written(report, out)
+    except KeyboardInterrupt as exc:
+        journal.close(finished=False)  # kept for the next try
+        if len(journal):
+            raise Interrupted(f"the {len(journal)} windows scored so far are kept in "
+                              f"{journal.path}; the same command resumes from them") from exc
+        raise
+    except BaseException:
+        journal.close(finished=False)
+        raise
+    journal.close(finished=True)
+    return report
+
+
+def say(progress: bool, line: str) -> None:
+    if progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _score(checkpoint: Path, data, o: EvalConfig, store, wins, model, edges, train, regions,
+           split, longest, windows, length, progress, journal) -> dict:
+    """:func:`_evaluate`'s scoring: the report (without its digests and cost)."""
+    n_boot, seed, block, baselines = o.bootstrap, o.seed, o.ci_block, list(o.baselines)
+    kw = {"block": block, "journal": journal}
     scorer = ModelScorer(model, o.segment)
     fit_on = rebalance_windows(store, regions if windows is None else [], o, length)
     rebalanced = None
     if fit_on:  # the same windows with the trained selection first: a paired comparison
         with scorer.counting_load() as trained_load:
-            trained = accumulate(scorer, store, wins, edges, progress, "trained routing")
+            trained = accumulate(scorer, store, wins, edges, progress, "trained routing", **kw,
+                                 counter=trained_load)
         rebalanced = {"regions": list(o.rebalance),
                       **rebalance_moe(scorer, fit_on, o.rebalance_rounds, progress=progress)}
     with scorer.counting_load() as load:
-        scored = accumulate(scorer, store, wins, edges, progress, "model")
+        scored = accumulate(scorer, store, wins, edges, progress, "model", **kw, counter=load)
     ckpt = Path(checkpoint).resolve()
     # a run's checkpoint is named by its run, so that a sweep's reports stay apart in `compare`
     owner = ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else "model"
+    # checkpoint_sha256 (added by _evaluate): what export-model matches the report to, wherever
+    # the folder is moved
     report = {"name": f"{owner} {ckpt.name}", "checkpoint": str(Path(checkpoint).resolve()),
-              # what export-model matches the report to, wherever the folder is moved
-              "checkpoint_sha256": weights_sha256(checkpoint),
               "data": str(Path(data).resolve()), "split": split, "n_windows": len(wins),
               "window_length": longest, "edges": edges,
-              "windows_sha256": windows_sha256(store, wins),
               **scored.summary(n_boot=n_boot, seed=seed), "moe_load": moe_load_summary(load)}
     if rebalanced:
         report["moe_rebalance"] = {
@@ -203,19 +247,20 @@ def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progre
     for c in o.controls:
         if c < longest:
             controls[c] = accumulate(truncated(scorer, c), store, wins, edges, progress,
-                                     f"control <= {c}")
+                                     f"control <= {c}", **kw)
             report["controls"][str(c)] = controls[c].summary(n_boot=n_boot, seed=seed)
             report["context_gain"][str(c)] = paired_gain(scored, controls[c], n_boot, seed)
     if o.copy:
         entry, full, accs = copy_reference(store, o.copy_spec(), train, wins, edges,
-                                           list(controls), n_boot, seed, progress)
+                                           list(controls), n_boot, seed, progress, **kw)
         report["copy_reference"] = entry
         report["context_worth"] = {
             str(c): context_worth((scored, controls[c]), (full, accs[c]), c, n_boot, seed)
             for c in controls if any(e >= c for e in edges[1:-1])}
     report["baselines"] = {
         f"markov order {k}": score_series(markov_scorer(fit_markov(store, k, train)), store,
-                                          wins, edges, n_boot, seed, progress, f"markov {k}")
+                                          wins, edges, n_boot, seed, progress, f"markov {k}",
+                                          **kw)
         for k in baselines
     }
     if report["baselines"]:
@@ -227,7 +272,7 @@ def _evaluate(checkpoint: Path, data, o: EvalConfig, windows, split: str, progre
         distances = list(o.probe_distances) or probe_distances(longest, 200)
         report["probe"] = recall_probe(scorer, held_out, distances, n_per_distance=o.probe_windows,
                                        seed=seed, n_boot=n_boot, pairs=o.probe_pairs,
-                                       progress=progress)
+                                       progress=progress, journal=journal)
     return report
 
 

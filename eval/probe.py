@@ -102,27 +102,33 @@ def _score(scorer, window: np.ndarray, d: int, m: int, offsets: list[int]):
 
 def recall_probe(scorer, tokens: np.ndarray, distances: list[int], copy_len: int = 200,
                  n_per_distance: int = 32, seed: int = 0, n_boot: int = 1000,
-                 pairs: int = 1, progress: bool = False) -> list[dict]:
+                 pairs: int = 1, progress: bool = False, journal=None) -> list[dict]:
     """Per distance ``d``: bits/base on the first and the second copy, the second's 95% bootstrap
     CI over copies and the gain's (first minus second), and ``dsa_hit_rate`` per DSA layer (None
     where a layer ran dense or for a scorer that is not a model) beside ``chance_hit_rate``, what
     a selection blind to content would reach (``topk`` of the ``i + 1`` keys of query ``i``).
     ``n_per_distance`` windows, each with up to ``pairs`` copies (:func:`recall_windows`).
     ``progress``: windows scored, as :mod:`megabase.data.progress` shows them (at most
-    ``n_per_distance`` per distance: a distance too long for ``tokens`` has none)."""
+    ``n_per_distance`` per distance: a distance too long for ``tokens`` has none). ``journal``
+    (:class:`~megabase.eval.journal.Journal`): windows a stopped try scored are read from it (the
+    windows are drawn again, in the same order, and only the rest are scored)."""
     rows: dict[int, list] = {}
     windows: dict[int, int] = {}
     with Progress(len(distances) * n_per_distance, "recall probe", unit="window",
                   enabled=progress) as bar:
-        for d, window, m, offsets in recall_windows(tokens, distances, copy_len, n_per_distance,
-                                                    seed, pairs=pairs):
+        for j, (d, window, m, offsets) in enumerate(recall_windows(
+                tokens, distances, copy_len, n_per_distance, seed, pairs=pairs)):
             windows[d] = windows.get(d, 0) + 1
-            nll, hits, chance = _score(scorer, window, d, m, offsets)
-            for i, o in enumerate(offsets):
-                rows.setdefault(d, []).append((np.nansum(nll[o : o + m]),
-                                               np.nansum(nll[o + d : o + d + m]), m,
-                                               None if hits is None else hits[i],
-                                               None if chance is None else chance[i]))
+            done = journal.get("recall probe", j) if journal is not None else None
+            if done is None:
+                nll, hits, chance = _score(scorer, window, d, m, offsets)
+                done = {"copies": [
+                    [float(np.nansum(nll[o : o + m])), float(np.nansum(nll[o + d : o + d + m])), m,
+                     None if hits is None else hits[i], None if chance is None else chance[i]]
+                    for i, o in enumerate(offsets)]}
+                if journal is not None:
+                    journal.add("recall probe", j, **done)
+            rows.setdefault(d, []).extend(tuple(c) for c in done["copies"])
             bar.update(1, bases=len(window))
     rng = np.random.default_rng(seed)
     out = []

@@ -22,6 +22,7 @@ from megabase.core.errors import InputError
 from megabase.data.progress import Progress
 
 from .bins import BinAccumulator
+from .journal import Journal
 
 ANCHORS = {
     "order-0 entropy of DNA": "about 1.95-2.0 bits/base",
@@ -31,25 +32,67 @@ ANCHORS = {
 
 
 def score_series(scorer, store, windows, edges, n_boot: int = 1000, seed: int = 0,
-                 progress: bool = True, desc: str = "scoring") -> dict:
-    """Score every window with ``scorer`` and bin it: ``{"bins", "overall", "n_windows"}``."""
-    return accumulate(scorer, store, windows, edges, progress, desc).summary(n_boot=n_boot,
-                                                                             seed=seed)
+                 progress: bool = True, desc: str = "scoring", block: int | None = None,
+                 journal: Journal | None = None) -> dict:
+    """Score every window with ``scorer`` and bin it: ``{"bins", "overall", "n_windows",
+    "ci_unit"}`` (:func:`accumulate`'s arguments)."""
+    return accumulate(scorer, store, windows, edges, progress, desc, block=block,
+                      journal=journal).summary(n_boot=n_boot, seed=seed)
 
 
-def accumulate(scorer, store, windows, edges, progress: bool = True,
-               desc: str = "scoring") -> BinAccumulator:
-    """Score every window with ``scorer``: the per-window sums of each bin. ``progress``: a bar on
-    a terminal, else a log line every half minute (:mod:`megabase.data.progress`)."""
-    acc = BinAccumulator(list(edges))
-    with Progress(len(windows), desc, unit="window", enabled=progress) as bar:
-        for w in windows:
+def accumulate(scorer, store, windows, edges, progress: bool = True, desc: str = "scoring",
+               block: int | None = None, journal: Journal | None = None,
+               counter: np.ndarray | None = None) -> BinAccumulator:
+    """Score every window with ``scorer``: the per-window (``block``: per-block) sums of each bin.
+    ``progress``: a bar on a terminal, else a log line every half minute
+    (:mod:`megabase.data.progress`).
+
+    ``journal`` (:class:`~megabase.eval.journal.Journal`): windows finished by a stopped try of
+    this evaluation are read from it under the series name ``desc``, the others written to it as
+    they finish. ``counter``: an array the scorer adds to as it scores (a MoE load count, the copy
+    model's statistics); its change over each window is journaled too, and added back for a
+    window read from the journal, so it ends as an uninterrupted evaluation's."""
+    acc = BinAccumulator(list(edges), block=block)
+    done = [journal.get(desc, i) if journal else None for i in range(len(windows))]
+    left = sum(d is None for d in done)
+    with Progress(left, desc, unit="window", enabled=progress) as bar:
+        if left < len(windows):
+            bar.write(f"megabase: {desc}: {len(windows) - left} of {len(windows)} windows "
+                      "finished by the stopped evaluation")
+        for i, w in enumerate(windows):
+            if done[i] is not None:
+                acc.add_rows(np.array(done[i]["nats"]), np.array(done[i]["counts"]))
+                if counter is not None:
+                    _add(counter, done[i]["counter"])
+                continue
+            before = None if counter is None else _copy(counter)
             tokens, mask = store.fetch(w.chrom, w.start, w.end)
             nll = scorer(tokens)
             scored = ~np.isnan(nll)
-            acc.add_window(np.nan_to_num(nll), scored, mask)
+            nats, counts = acc.window_rows(np.nan_to_num(nll), scored, mask)
+            acc.add_rows(nats, counts)
+            if journal is not None:
+                extra = {} if counter is None else {"counter": _delta(counter, before)}
+                journal.add(desc, i, nats=nats, counts=counts, **extra)
             bar.update(1, bases=w.length)
     return acc
+
+
+def _add(counter, values: list) -> None:
+    """``counter += values`` in place (a numpy array or a torch tensor)."""
+    if isinstance(counter, np.ndarray):
+        counter += np.array(values, dtype=counter.dtype)
+    else:
+        counter += counter.new_tensor(values)
+
+
+def _copy(counter):
+    return counter.copy() if isinstance(counter, np.ndarray) else counter.clone()
+
+
+def _delta(counter, before) -> list:
+    """``counter - before`` as nested lists (a numpy array or a torch tensor)."""
+    return np.asarray(counter - before).tolist()
 
 
 def windows_sha256(store, windows) -> str:

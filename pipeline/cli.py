@@ -542,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as exc:
         print(f"megabase {args.command}: error: {exc}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        print(f"megabase {args.command}: interrupted; nothing half-written was kept", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        kept = getattr(exc, "kept", None) or "nothing half-written was kept"
+        print(f"megabase {args.command}: interrupted; {kept}", file=sys.stderr)
         return 130
     except OSError as exc:  # disk full, read-only folder, name too long, file-size limit...
         print(f"megabase {args.command}: error: {os_error_line(exc)}", file=sys.stderr)

@@ -7,6 +7,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megabase.eval.bins import unit_words
+
 
 def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}" if whole else "-"
@@ -85,7 +87,7 @@ def print_report(report: dict) -> None:
     lo, hi = overall["bits_per_base_ci"]
     if lo is not None:
         console.print(f"{report['name']}: {overall['bits_per_base']:.4f} bits/base "
-                      f"(95% CI {lo:.4f}-{hi:.4f} over windows); repeat "
+                      f"(95% CI {lo:.4f}-{hi:.4f} over {unit_words(report.get('ci_unit'))}); repeat "
                       f"{_bits(overall['repeat'])}, unique {_bits(overall['unique'])}")
     for limit, rows in report.get("context_gain", {}).items():
         cells = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megabase.eval.bins import unit_words
 from megabase.model.presets import PRESETS, get_preset
 
 
@@ -29,7 +30,8 @@ def _evaluation(report: dict, path: Path) -> list[str]:
     o = report["overall"]
     lines = ["## Held-out evaluation", "",
              f"From `{path}` ({report.get('n_windows', '?')} windows, {o.get('n_tokens', 0):,} scored "
-             "bases; bits/base with a 95% bootstrap CI over windows).", "",
+             f"bases; bits/base with a 95% bootstrap CI over {unit_words(report.get('ci_unit'))}).",
+             "",
              "| | bits/base | unique | repeat |", "|---|---|---|---|",
              f"| this model | {_bits(o)} | {_bits(o.get('unique'))} | {_bits(o.get('repeat'))} |"]
     for name, b in sorted(report.get("baselines", {}).items(),

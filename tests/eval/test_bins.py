@@ -56,7 +56,7 @@ def test_empty_bins_report_zero_tokens():
         "bits_per_base": None, "perplexity": None,
         "unique": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
         "repeat": {"n_tokens": 0, "nats_per_base": None, "bits_per_base": None, "perplexity": None},
-        "bits_per_base_ci": [None, None]}
+        "bits_per_base_ci": [None, None], "n_units": 0}
 
 
 def test_paired_gain_cancels_what_both_curves_share():
@@ -82,3 +82,34 @@ def test_paired_gain_cancels_what_both_curves_share():
     assert rows[1]["repeat"]["n_tokens"] == rows[1]["unique"]["n_tokens"] == 30 * 50
     a, b = model.summary(200)["bins"][1], control.summary(200)["bins"][1]
     assert a["bits_per_base_ci"][1] > b["bits_per_base_ci"][0]  # the unpaired CIs overlap
+
+
+def test_blocks_are_the_units_and_change_no_value():
+    """Blocks of a window split its sums, never its numbers: every bits/base equals the whole-
+    window accumulator's, each bin's CI resamples only the blocks that scored a base in it, and a
+    ragged last block is a unit of its own."""
+    from megabase.eval.bins import paired_gain
+
+    rng = np.random.default_rng(1)
+    whole, blocks = BinAccumulator([0, 100, 1000, 2500]), BinAccumulator([0, 100, 1000, 2500], block=300)
+    other = BinAccumulator([0, 100, 1000, 2500], block=300)
+    for n in (2500, 2500, 1234):
+        nll, repeat = rng.gamma(2.0, 0.7, n), rng.random(n) < 0.4
+        scored = rng.random(n) < 0.95
+        whole.add_window(nll, scored, repeat)
+        blocks.add_window(nll, scored, repeat)
+        other.add_window(nll + 0.1 * (np.arange(n) >= 1000), scored, repeat)
+    a, b = whole.summary(n_boot=200), blocks.summary(n_boot=200)
+    for x, y in zip(a["bins"] + [a["overall"]], b["bins"] + [b["overall"]]):
+        assert x["n_tokens"] == y["n_tokens"] and x["bits_per_base"] == pytest.approx(y["bits_per_base"], rel=1e-12)
+    assert a["ci_unit"] == {"kind": "window", "n_units": 3, "n_windows": 3}
+    assert b["ci_unit"] == {"kind": "block", "bases": 300, "n_units": 9 + 9 + 5, "n_windows": 3}
+    # bin [1000, 2500): blocks 3..8 of the long windows (block 3 starts at 900) and 3..4 of the short
+    assert [row["n_units"] for row in b["bins"]] == [3, 3 * 4, 6 + 6 + 2]
+    lo, hi = b["bins"][2]["bits_per_base_ci"]
+    assert lo < b["bins"][2]["bits_per_base"] < hi
+    gain = paired_gain(blocks, other, n_boot=200)
+    assert gain[2]["all"]["gain_bits_per_base"] == pytest.approx(0.1 / np.log(2))
+    assert gain[2]["all"]["n_units"] == 14 and gain[0]["all"]["ci"] == [0.0, 0.0]
+    lo, hi = gain[2]["all"]["ci"]
+    assert lo == pytest.approx(hi) == pytest.approx(0.1 / np.log(2))
