@@ -67,6 +67,12 @@ class EvalConfig:
         "the scored regions; empty: the trained biases"))
     rebalance_rounds: int = field(default=3, metadata=_help(
         "passes over the rebalance regions, each followed by one bias update"))
+    ablations: list[str] = field(default_factory=list, metadata=_help(
+        "score the model again with one kind of layer's far context cut, paired with its own "
+        "curve: kda_reset (KDA memory emptied every ablation_limit bases), dsa_near (DSA keys "
+        "older than ablation_limit to twice that dropped); see megabase.eval.ablate"))
+    ablation_limit: int | None = field(default=None, metadata=_help(
+        "the ablations' limit in bases, a multiple of 1024; empty: the first control's"))
     bootstrap: int = field(default=1000, metadata=_help("bootstrap resamples of every CI"))
     ci_block: int | None = field(default=None, metadata=_help(
         "CIs resample stretches of this many bases of each window instead of whole windows "
@@ -108,14 +114,33 @@ class EvalConfig:
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise InputError(f"{{probe_distances}} must be positive distances, got {d}",
                                  options=("probe_distances",))
+        if self.ablations:
+            from .ablate import check_ablation
+
+            for name in self.ablations:
+                try:
+                    check_ablation(name)
+                except ValueError as err:
+                    raise InputError(f"{{ablations}}: {err}", options=("ablations",)) from None
+            limit = self.limit_of_ablations()
+            try:
+                if limit is None:
+                    raise ValueError("no control to take it from: set it")
+                check_ablation(self.ablations[0], limit)
+            except ValueError as err:
+                raise InputError(f"{{ablation_limit}}: {err}", options=("ablation_limit",)) from None
         for name in ("probe_windows", "probe_pairs", "bootstrap", "segment", "length",
-                     "rebalance_rounds", "ci_block"):
+                     "rebalance_rounds", "ci_block", "ablation_limit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise InputError(f"{{{name}}} must be a positive integer, got {value}",
                                  options=(name,))
         return self
+
+    def limit_of_ablations(self) -> int | None:
+        """``ablation_limit``, or the first control's limit."""
+        return self.ablation_limit or (self.controls[0] if self.controls else None)
 
     def copy_spec(self):
         """The copy-model reference's :class:`~megabase.eval.copymodel.CopySpec`."""

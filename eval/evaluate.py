@@ -17,6 +17,7 @@ from megabase.data.windows import first_overlap, resolve_splits
 from megabase.model import load_checkpoint, read_checkpoint_config
 from megabase.model.checkpoint import held_checkpoint, weights_sha256
 
+from .ablate import ablated, label
 from .bins import cover_edges, default_edges, gain_beyond, paired_gain, whole
 from .config import EvalConfig, check_controls
 from .copymodel import CopyModel, CopySpec
@@ -250,6 +251,18 @@ def _score(checkpoint: Path, data, o: EvalConfig, store, wins, model, edges, tra
                                      f"control <= {c}", **kw)
             report["controls"][str(c)] = controls[c].summary(n_boot=n_boot, seed=seed)
             report["context_gain"][str(c)] = paired_gain(scored, controls[c], n_boot, seed)
+    if o.ablations:
+        limit = o.limit_of_ablations()
+        report["ablations"] = {}
+        for name in o.ablations:
+            acc = accumulate(ablated(scorer, name, limit), store, wins, edges, progress,
+                             f"{name} at {limit}", **kw)
+            report["ablations"][name] = {
+                "label": label(name, limit), "limit": limit, **acc.summary(n_boot=n_boot, seed=seed),
+                # ablated minus the model, paired: positive where the cut context helped
+                "cost": paired_gain(scored, acc, n_boot, seed),
+                "cost_beyond": gain_beyond(scored, acc, limit, n_boot, seed)
+                if any(e >= limit for e in edges[1:-1]) else None}
     if o.copy:
         entry, full, accs = copy_reference(store, o.copy_spec(), train, wins, edges,
                                            list(controls), n_boot, seed, progress, **kw)

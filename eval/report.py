@@ -275,6 +275,17 @@ def report_metrics(report: dict) -> dict[str, float]:
                 out[key] = g["gain_bits_per_base"]
                 out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
         out[f"eval/context_worth_{limit}/share"] = worth["share"]
+    for name, a in report.get("ablations", {}).items():
+        add(f"eval/ablation/{name}", a, per_bin=True)
+        for part in ("all", "unique", "repeat"):
+            g = (a.get("cost_beyond") or {}).get(part)
+            if g:
+                key = f"eval/ablation/{name}/cost_beyond/{part}"
+                out[key] = g["gain_bits_per_base"]
+                out[key + "/ci_lo"], out[key + "/ci_hi"] = g["ci"]
+    for key in ("seconds", "tries"):
+        if isinstance(report.get(key), (int, float)):
+            out[f"eval/{key}"] = float(report[key])
     for row in report.get("probe", []):
         d = row["distance"]
         for field in ("first_copy_bits_per_base", "second_copy_bits_per_base", "gain_bits_per_base"):

@@ -121,6 +121,8 @@ def print_report(report: dict) -> None:
         console.print(f"best baseline: {best['name']}, {best['bits_per_base']:.4f} bits/base")
     for line in _copy_lines(report):
         console.print(line)
+    for line in _ablation_lines(report):
+        console.print(line)
     for line in _moe_lines(report):
         console.print(line)
     console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
@@ -378,6 +380,20 @@ def _copy_lines(report: dict) -> list[str]:
         lines.append(f"context beyond ~{int(limit):,} ([{w['context_lo']:,}, {w['context_hi']:,})): "
                      f"the copy model gains {_gain(w['copy']['all'])} bits/base, the model "
                      f"{_gain(w['model']['all'])}{share}")
+    return lines
+
+
+def _ablation_lines(report: dict) -> list[str]:
+    """Per ablation, what it costs the model beyond its limit (ablated minus full, paired 95%
+    CIs), repeat and unique apart: negative where the context it cuts was doing harm."""
+    lines = []
+    for name, a in report.get("ablations", {}).items():
+        beyond = a.get("cost_beyond")
+        if beyond is None:
+            continue
+        parts = ", ".join(f"{kind} {_gain(beyond[kind])}" for kind in ("all", "unique", "repeat"))
+        lines.append(f"ablation {name} ({a['label']}): beyond [{beyond['context_lo']:,}, "
+                     f"{beyond['context_hi']:,}) it costs {parts} bits/base")
     return lines
 
 
