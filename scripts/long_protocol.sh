@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The human protocol's long-window stage end to end (issue 43, docs/science.md §14): the 16k start
+# The human protocol's long-window stage end to end (issue 43): the 16k start
 # checkpoint, the long arm (40 steps at 524,288), its evaluation, the start's evaluation on the
 # same windows, then the 16k arm on as many tokens and its evaluation. Every step resumes where a
 # stopped try left it (training from its latest checkpoint, evaluation from the windows it
