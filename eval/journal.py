@@ -44,7 +44,7 @@ class Journal:
     def _read(self) -> None:
         try:
             lines = self.path.read_text().splitlines()
-        except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
             return
         entries = []
         for line in lines:

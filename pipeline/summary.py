@@ -126,7 +126,9 @@ def print_report(report: dict) -> None:
     for line in _moe_lines(report):
         console.print(line)
     console.print("published anchors: " + "; ".join(f"{k}: {v}" for k, v in ANCHORS.items()))
-    console.print(f"report: {', '.join(report['files'].values())} ({report['seconds']:.1f} s)")
+    tries = report.get("tries", 1)
+    cost = f"{report['seconds']:.1f} s" + (f" over {tries} tries" if tries > 1 else "")
+    console.print(f"report: {', '.join(report['files'].values())} ({cost})")
     if report.get("mlflow"):
         m = report["mlflow"]
         console.print(f"MLflow run {m['run_id']} in {m['tracking_uri']}; browse with "

@@ -98,6 +98,7 @@ def test_a_stopped_evaluation_resumes_with_the_same_numbers(
     report = json.loads((out / "report.json").read_text())
     assert _numbers(report) == _numbers(uninterrupted)
     assert report["tries"] == 4 and not (out / NAME).exists()
+    assert report["seconds"] > 0 and "s over 4 tries)" in capsys.readouterr().out
     assert scored == whole  # each window scored once, in the order of an uninterrupted run
     assert [s for s, _ in whole[1:3]] == ["model", "model"] and whole[10][0] == "copy model"
     assert whole[21][0] == "recall probe"
