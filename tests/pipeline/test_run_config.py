@@ -167,3 +167,27 @@ def test_a_section_given_twice_is_refused(tmp_path):
 def test_a_section_is_not_a_value(assignment):
     with pytest.raises(InputError, match=f"{assignment.split('=')[0]} is a section, not a value"):
         load_config(None, [assignment])
+
+
+def test_every_shipped_config_loads_and_the_long_window_arms_match():
+    """Each file of configs/ passes its loader's checks; the long-window protocol's two arms
+    train the same checkpoint on as many tokens, warm up over as many, and are evaluated alike
+    (what makes their difference the window length's alone)."""
+    from pathlib import Path
+
+    from megabase.pipeline.config import load_config
+    from megabase.rl.config import load_rl_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    loaded = {p.stem: (load_rl_config if p.stem.startswith("rl-") else load_config)(p)
+              for p in sorted(root.glob("*.yaml"))}
+    assert {"demo", "human-chr22-cpu", "human-chr22-long", "human-chr22-long-16k"} <= set(loaded)
+    long, short = loaded["human-chr22-long"], loaded["human-chr22-long-16k"]
+    assert long.data.window_length == 524_288 and short.data.window_length == 16_384
+    tokens = [c.train.steps * c.train.batch_size * c.data.window_length for c in (long, short)]
+    assert tokens[0] == tokens[1] == 40 * 524_288
+    assert long.train.warmup_steps * long.data.window_length == \
+        short.train.warmup_steps * short.data.window_length
+    assert long.train.init_from == short.train.init_from and long.train.lr == short.train.lr
+    assert long.eval == short.eval and long.data.eval == short.data.eval
+    assert long.eval.length == 1_048_576 and long.eval.ci_block == 65_536
