@@ -77,9 +77,9 @@ class Journal:
             return
         data = {k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v
                 for k, v in data.items()}
-        self.done[(series, index)] = data
         if self._file is None:
             self._open()
+        self.done[(series, index)] = data
         line = {"series": series, "index": index, "try": self.tries, "seconds": self.elapsed(),
                 "data": data}
         self._file.write(json.dumps(line) + "\n")

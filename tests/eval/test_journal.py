@@ -133,4 +133,6 @@ def test_a_journal_keeps_floats_to_the_last_bit_and_counts_every_try(tmp_path):
     second.close(finished=False)
     third = Journal(tmp_path, {"a": 1})
     assert third.tries == 3 and len(third) == 2 and third.spent >= second.spent
+    lines = (tmp_path / NAME).read_text().splitlines()
+    assert len(lines) == 1 + 2  # the header, each window once
     assert Journal(tmp_path, {"a": 2}).tries == 1  # another evaluation's journal is not read
