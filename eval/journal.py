@@ -22,24 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
+from megabase.core.atomic import write_atomic
+
 NAME = ".megabase-evaluation.jsonl"
 
 
 class Journal:
     """Finished windows by ``(series, index)``, read from ``folder/NAME`` when its first line is
-    ``fingerprint`` (a JSON-able dict), else started afresh there. ``enabled=False``: keeps
-    nothing (a dry journal, for callers that do not resume)."""
+    ``fingerprint`` (a JSON-able dict), else started afresh there."""
 
-    def __init__(self, folder: str | Path, fingerprint: dict, enabled: bool = True):
+    def __init__(self, folder: str | Path, fingerprint: dict):
         self.path = Path(folder) / NAME
         self.fingerprint = json.loads(json.dumps(fingerprint))
-        self.enabled = enabled
         self.done: dict[tuple[str, int], dict] = {}
         self.tries, self.spent = 1, 0.0  # seconds of earlier tries
         self.started = time.perf_counter()
         self._file = None
-        if enabled:
-            self._read()
+        self._read()
 
     def _read(self) -> None:
         try:
@@ -73,8 +72,6 @@ class Journal:
     def add(self, series: str, index: int, **data) -> None:
         """Window ``index`` of ``series`` is finished: ``data`` (arrays and numbers; floats kept
         to the last bit, as JSON writes a Python float) is on disk before this returns."""
-        if not self.enabled:
-            return
         data = {k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v
                 for k, v in data.items()}
         if self._file is None:
@@ -89,15 +86,10 @@ class Journal:
     def _open(self) -> None:
         """The journal file, with this try's header; written anew (from the windows already
         read) so that a replaced journal leaves no line of another evaluation."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"fingerprint": self.fingerprint, "tries": self.tries}) + "\n")
-            spent = self.spent
-            for (series, index), data in self.done.items():
-                f.write(json.dumps({"series": series, "index": index, "try": 0, "seconds": spent,
-                                    "data": data}) + "\n")
-        os.replace(tmp, self.path)
+        lines = [{"fingerprint": self.fingerprint, "tries": self.tries}]
+        lines += [{"series": series, "index": index, "try": 0, "seconds": self.spent, "data": data}
+                  for (series, index), data in self.done.items()]
+        write_atomic(self.path, "".join(json.dumps(x) + "\n" for x in lines).encode())
         self._file = open(self.path, "a")
 
     def elapsed(self) -> float:
@@ -114,6 +106,5 @@ class Journal:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if finished and self.enabled:
+        if finished:
             self.path.unlink(missing_ok=True)
-            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
