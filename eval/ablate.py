@@ -19,13 +19,8 @@ context loses to the control names the layers that make far context cost.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 
-from megabase.core.vocab import N_BASES, SEP
 from megabase.model.layers import ROW_TILE
-from megabase.model.stream import advance
 
 ABLATIONS = {
     "kda_reset": "KDA memory reset every {limit:,} bases",
@@ -70,22 +65,9 @@ def cut(model, state: list[dict], name: str, limit: int) -> None:
 
 def ablated(scorer, name: str, limit: int):
     """A scorer (:mod:`megabase.eval.score`'s contract) that scores with the model of ``scorer``
-    (a :class:`~megabase.eval.score.ModelScorer`) under ablation ``name`` at ``limit``."""
+    (a :class:`~megabase.eval.score.ModelScorer`) under ablation ``name`` at ``limit``: the
+    window streamed in pieces of ``limit``, the state cut after each."""
     check_ablation(name, limit)
     model = scorer.model
-
-    @torch.no_grad()
-    def score(tokens: np.ndarray) -> np.ndarray:
-        seq = torch.from_numpy(np.concatenate([[SEP], tokens]).astype(np.int64))[None]
-        inputs, targets = seq[:, :-1], seq[:, 1:].clamp(max=N_BASES - 1)
-        state, parts = model.init_state(), []
-        for s in range(0, inputs.shape[1], limit):
-            logits, _ = advance(model, inputs[:, s : s + limit], state)
-            target = targets[:, s : s + logits.shape[1]]
-            parts.append(F.cross_entropy(logits[0], target[0], reduction="none"))
-            cut(model, state, name, limit)
-        nll = torch.cat(parts).double().numpy()
-        nll[tokens >= N_BASES] = np.nan
-        return nll
-
-    return score
+    return lambda tokens: scorer(tokens, segment=limit,
+                                 between=lambda state: cut(model, state, name, limit))

@@ -52,12 +52,15 @@ class ModelScorer:
                 h.remove()
 
     @torch.no_grad()
-    def __call__(self, tokens: np.ndarray, ctx=None) -> np.ndarray:
+    def __call__(self, tokens: np.ndarray, ctx=None, segment: int | None = None,
+                 between=None) -> np.ndarray:
         """``ctx``: how the model's calls run (:meth:`HybridLM.context`; e.g. capturing the DSA
-        layers' selections)."""
+        layers' selections); ``segment``, ``between``: stream in pieces of ``segment`` (default
+        the scorer's, for windows longer than it) and cut the state between them
+        (:func:`megabase.model.stream.stream`)."""
         seq = torch.from_numpy(np.concatenate([[SEP], tokens]).astype(np.int64))[None]
-        seg = self.segment if self.segment and len(tokens) > self.segment else None
-        nll = -log_probs(self.model, seq, segment=seg, ctx=ctx)[0].double().numpy()
+        seg = segment or (self.segment if self.segment and len(tokens) > self.segment else None)
+        nll = -log_probs(self.model, seq, segment=seg, ctx=ctx, between=between)[0].double().numpy()
         nll[tokens >= N_BASES] = np.nan
         return nll
 

@@ -13,7 +13,7 @@ products on one thread, what generation, RL rollouts and the Hugging Face wrappe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -101,12 +101,15 @@ def fork(state: list[dict]) -> list[dict]:
 
 @torch.no_grad()
 def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
-           layer: int | None = None,
-           ctx: Context | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+           layer: int | None = None, ctx: Context | None = None,
+           between: Callable[[list[dict]], None] | None = None,
+           ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
     """Yields ``(start, logits [B, n, 4] fp32, hidden [B, n, d] or None)`` for consecutive pieces of
     ``inputs [B, T]`` (``segment``: a length, or lengths summing to ``T``): the next-base logits
     over A/C/G/T at positions ``start .. start + n``, and with ``layer`` (1..n_layers) the residual
-    stream after that block, as one full pass would give them."""
+    stream after that block, as one full pass would give them. ``between``: called with the state
+    after each piece that ends on a row tile (its whole state committed), before the next one: an
+    ablation cuts it there (:mod:`megabase.eval.ablate`)."""
     state, committed, start = model.init_state(), 0, 0
     for n in segments(inputs.shape[1], segment):
         end = start + n
@@ -120,21 +123,24 @@ def stream(model: HybridLM, inputs: torch.Tensor, segment: int | Sequence[int],
         hidden = None if layer is None else torch.cat([p[1] for p in parts], dim=1)[:, start - committed :]
         yield start, logits, hidden
         committed, start = boundary, end
+        if between is not None and boundary == end:
+            between(state)
 
 
 @torch.no_grad()
 def log_probs(model: HybridLM, tokens: torch.Tensor, segment: int | Sequence[int] | None = None,
-              ctx: Context | None = None):
+              ctx: Context | None = None, between: Callable[[list[dict]], None] | None = None):
     """``log p(tokens[:, t+1] | tokens[:, :t+1])`` for every t: ``[B, T-1]`` fp32.
 
     With ``segment`` (a length, or a list of lengths summing to ``T-1``) the sequence is scored
-    piece by piece (:func:`stream`), with the full pass's numbers. ``ctx``: how the calls run.
+    piece by piece (:func:`stream`), with the full pass's numbers. ``ctx``: how the calls run;
+    ``between``: :func:`stream`'s.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if segment is None:
         return -model(inputs, targets, ctx=ctx).nll
     parts = []
-    for start, logits, _ in stream(model, inputs, segment, ctx=ctx):
+    for start, logits, _ in stream(model, inputs, segment, ctx=ctx, between=between):
         target = targets[:, start : start + logits.shape[1]].long().clamp(max=logits.shape[-1] - 1)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                               reduction="none")
