@@ -5,8 +5,17 @@ shares the tile's reference pass. That pass stops at each variant's position, sc
 alternative from a copy of the carried state there (:func:`megabase.model.fork`) and goes on, so a
 variant costs only the pass over the alternative sequence after it: ``delta = sum(log p of alt
 bases from the variant on) - sum(log p of ref bases from the variant on)``, the bases before it
-being the same in both (nats; negative: the model finds the alternative less likely). With ``both_strands`` the reverse complement of the
-tile is scored the same way and the two deltas averaged.
+being the same in both (nats; negative: the model finds the alternative less likely). The sums
+run to the tile's end, or with ``horizon`` over the variant's bases and the ``horizon`` bases
+after them. With ``both_strands`` the reverse complement of the tile is scored the same way and
+the two deltas averaged.
+
+In a tile a variant's prior context is anything from 0 to ``window`` bases. To ask what context
+length does to a score, ``context=C`` gives every variant between ``C`` and ``2C`` bases of
+context instead (less only within ``C`` of the record's ends): the variants at ``kC .. (k+1)C``
+share one pass that starts at ``(k-1)C``, and ``horizon`` (default 256) fixes the span summed
+after each, so that two context lengths compare the same bases. The reverse strand's pass
+mirrors it, its context lying 3' of the variants.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
     import pysam
 
 DEFAULT_WINDOW = 65_536
+DEFAULT_HORIZON = 256
 SYMBOLIC = ("<", "[", "]", "*", ".")
 
 
@@ -69,6 +79,9 @@ class VariantResult:
     variants: list[Variant]
     windows: int
     files: dict[str, str] = field(default_factory=dict)
+    window: int = DEFAULT_WINDOW
+    context: int | None = None
+    horizon: int | None = None
     seconds: float = 0.0
     peak_rss: int = 0
 
@@ -229,9 +242,11 @@ def _logp(logits: torch.Tensor, targets: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.ndarray]]) -> list[float]:
+def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.ndarray]],
+               horizon: int | None = None) -> list[float]:
     """``log p(alt tile) - log p(tile)`` for each edit ``(offset, ref tokens, alt tokens)`` of
-    ``tile`` (offsets within it, ``ref`` as in the tile), the tile read from a ``<sep>`` start.
+    ``tile`` (offsets within it, ``ref`` as in the tile), the tile read from a ``<sep>`` start;
+    with ``horizon`` only the edit's bases and the ``horizon`` bases after them are summed.
 
     Each alternative is scored as soon as the reference pass reaches it, from a fork of the
     state there, and only its sum is kept: a fork holds the DSA caches up to its position, so
@@ -240,13 +255,15 @@ def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.nd
     inputs = torch.from_numpy(seq[:-1])[None]
     state, done, ref_logp = model.init_state(), 0, np.zeros(len(tile))
     alt_sums = [0.0] * len(edits)
+    ends = [len(tile) if horizon is None else min(p + len(ref) + horizon, len(tile))
+            for p, ref, _ in edits]
     for i in sorted(range(len(edits)), key=lambda i: edits[i][0]):
         p, ref, alt = edits[i]
         if p > done:
             logits, _ = advance(model, inputs[:, done:p], state)
             ref_logp[done:p] = _logp(logits, tile[done:p])
             done = p
-        rest = np.concatenate([alt, tile[p + len(ref) :]])
+        rest = np.concatenate([alt, tile[p + len(ref) : ends[i]]])
         alt_inputs = np.concatenate([[seq[p]], rest[:-1]]).astype(np.int64)
         logits, _ = advance(model, torch.from_numpy(alt_inputs)[None], fork(state))
         alt_sums[i] = float(_logp(logits, rest).sum())
@@ -254,7 +271,31 @@ def score_tile(model, tile: np.ndarray, edits: list[tuple[int, np.ndarray, np.nd
         logits, _ = advance(model, inputs[:, done:], state)
         ref_logp[done:] = _logp(logits, tile[done:])
     suffix = np.concatenate([np.cumsum(ref_logp[::-1])[::-1], [0.0]])
-    return [alt_sums[i] - float(suffix[edits[i][0]]) for i in range(len(edits))]
+    return [alt_sums[i] - float(suffix[edits[i][0]] - suffix[ends[i]]) for i in range(len(edits))]
+
+
+def _spans(variants: list[Variant], window: int, context: int | None, horizon: int | None,
+           length: int) -> list[tuple[int, int, int, int, list[Variant]]]:
+    """The passes over one record: ``(forward lo, hi, reverse lo, hi, variants)``, spans of the
+    record whose forward pass (and reverse complement) scores the variants. Tiles of ``window``
+    from the record's start, or with ``context`` the spans that give each variant ``C .. 2C``
+    bases of context before it (forward) and after it (reverse)."""
+    groups: dict[int, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.pos // (context or window), []).append(v)
+    out = []
+    for k, members in groups.items():
+        last = max(v.pos + len(v.ref) for v in members)
+        if context is None:
+            lo = k * window
+            hi = max(min(lo + window, length), last)
+            out.append((lo, hi, lo, hi, members))
+            continue
+        after = horizon or 0
+        lo, hi = max((k - 1) * context, 0), max(min((k + 1) * context + after, length), last)
+        rlo, rhi = max(k * context - after, 0), max(min((k + 2) * context, length), last)
+        out.append((lo, hi, rlo, rhi, members))
+    return out
 
 
 def _rc(tokens: np.ndarray) -> np.ndarray:
@@ -264,15 +305,23 @@ def _rc(tokens: np.ndarray) -> np.ndarray:
 def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
                    out: str | Path | None = None, window: int = DEFAULT_WINDOW,
                    both_strands: bool = False, multiallelic: str = "split",
-                   progress: bool = True,
-                   dsa_stage: str | None = None) -> VariantResult:
+                   progress: bool = True, dsa_stage: str | None = None,
+                   context: int | None = None, horizon: int | None = None) -> VariantResult:
     """Score every allele of ``vcf`` against the store ``data`` (see the module). With ``out`` (a
     folder) writes ``variants.tsv`` and ``variants.vcf.gz`` (INFO ``MB_LLR``, one value per ALT).
-    ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record."""
+    ``multiallelic``: ``split`` scores each allele, ``refuse`` stops at the first such record.
+    ``context``: give each variant ``context .. 2 context`` bases of context (``window`` is then
+    unused; ``horizon`` defaults to 256)."""
     if window < 16:
         raise InputError("{window} must be at least 16 bases", options=("window",))
+    if context is not None and context < 16:
+        raise InputError("{context} must be at least 16 bases", options=("context",))
+    if horizon is not None and horizon < 0:
+        raise InputError("{horizon} must be 0 or more bases", options=("horizon",))
     if multiallelic not in ("split", "refuse"):
         raise InputError("{multiallelic} must be split or refuse", options=("multiallelic",))
+    if context is not None and horizon is None:
+        horizon = DEFAULT_HORIZON
     started = time.perf_counter()
     store = TokenStore(data)
     variants, source = _read(vcf, store, multiallelic)
@@ -280,28 +329,40 @@ def score_variants(checkpoint: str | Path, data: str | Path, vcf: str | Path,
         out = check_output_dir(Path(out))
     with sole_writer(out, "variants", ("variants.tsv", "variants.vcf.gz")):
         model = load_model(checkpoint, dsa_stage)
-        tiles: dict[tuple[str, int], list[Variant]] = {}
+        by_chrom: dict[str, list[Variant]] = {}
         for v in variants:
-            tiles.setdefault((v.chrom, v.pos // window), []).append(v)
+            by_chrom.setdefault(v.chrom, []).append(v)
+        passes = 0
         with progress_of(len(variants), "variants", unit="variant", enabled=progress) as bar:
-            for (chrom, k), members in tiles.items():
-                lo = k * window
-                hi = max(min(lo + window, store.length(chrom)),
-                         *(v.pos + len(v.ref) for v in members))
-                tile = np.asarray(store.tokens(chrom)[lo:hi])
-                edits = [(v.pos - lo, tokenize(v.ref), tokenize(v.alt)) for v in members]
-                for v, d in zip(members, score_tile(model, tile, edits)):
-                    v.delta_fwd = d
-                if both_strands:
-                    rc = [(len(tile) - p - len(r), _rc(r), _rc(a)) for p, r, a in edits]
-                    for v, d in zip(members, score_tile(model, _rc(tile), rc)):
-                        v.delta_rev = d
-                bar.update(len(members))
-        result = VariantResult(variants, len(tiles))
+            for chrom, members_of in by_chrom.items():
+                tokens = store.tokens(chrom)
+                for lo, hi, rlo, rhi, members in _spans(members_of, window, context, horizon,
+                                                        store.length(chrom)):
+                    tile = np.asarray(tokens[lo:hi])
+                    edits = [(v.pos - lo, tokenize(v.ref), tokenize(v.alt)) for v in members]
+                    for v, d in zip(members, score_tile(model, tile, edits, horizon)):
+                        v.delta_fwd = d
+                    if both_strands:
+                        tile = np.asarray(tokens[rlo:rhi])
+                        rc = [(rhi - v.pos - len(v.ref), _rc(tokenize(v.ref)), _rc(tokenize(v.alt)))
+                              for v in members]
+                        for v, d in zip(members, score_tile(model, _rc(tile), rc, horizon)):
+                            v.delta_rev = d
+                    passes += 1
+                    bar.update(len(members))
+        result = VariantResult(variants, passes, window=window, context=context, horizon=horizon)
         if out is not None:
-            result.files = _write(out, source, variants, window, both_strands)
+            result.files = _write(out, source, variants, window, both_strands, context, horizon)
     result.seconds, result.peak_rss = time.perf_counter() - started, peak_rss_bytes()
     return result
+
+
+def scope(window: int, context: int | None, horizon: int | None) -> str:
+    """How the scores were made, in words (the VCF header's and the summary's)."""
+    after = "to the window's end" if horizon is None else f"over the variant and {horizon:,} bases after"
+    if context is None:
+        return f"{window:,}-base windows, summed {after}"
+    return f"{context:,} to {2 * context:,} bases of prior context, summed {after}"
 
 
 # a contig line htslib adds to a header for a record whose contig the file did not define
@@ -309,7 +370,8 @@ _BARE_CONTIG = re.compile(r"^##contig=<ID=([^,>]+)>$")
 
 
 def _write(out: Path, source: _Source, variants: list[Variant], window: int,
-           both_strands: bool) -> dict[str, str]:
+           both_strands: bool, context: int | None = None,
+           horizon: int | None = None) -> dict[str, str]:
     """``variants.tsv`` and ``variants.vcf.gz`` (bgzip), both or neither: each is written to a
     temporary sibling, removed on any error, and both are renamed into place at the end.
 
@@ -330,8 +392,8 @@ def _write(out: Path, source: _Source, variants: list[Variant], window: int,
     strands = "both strands averaged" if both_strands else "forward strand"
     header.add_meta("INFO", items=[
         ("ID", "MB_LLR"), ("Number", "A"), ("Type", "Float"),
-        ("Description", f"megabase: log p(alt window) - log p(ref window), nats, {window:,}-base "
-                        f"windows, {strands}")])
+        ("Description", "megabase: log p(alt window) - log p(ref window), nats, "
+                        f"{scope(window, context, horizon)}, {strands}")])
     lines = []
     for line in str(header).splitlines():
         bare = _BARE_CONTIG.match(line)

@@ -216,7 +216,8 @@ def cmd_variants(args: argparse.Namespace) -> None:
 
     result = score_variants(args.checkpoint, args.data, args.vcf, out=args.out, window=args.window,
                             both_strands=args.both_strands, multiallelic=args.multiallelic,
-                            progress=not args.quiet, dsa_stage=args.dsa_stage)
+                            progress=not args.quiet, dsa_stage=args.dsa_stage,
+                            context=args.context, horizon=args.horizon)
     summary.print_variants(result)
 
 
@@ -387,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=_positive_int, default=65_536,
                    help="bases per window; variants in one window share its reference pass "
                    "(default 65,536)")
+    p.add_argument("--context", type=_positive_int,
+                   help="give every variant C to 2C bases of prior context instead of tiling "
+                   "windows (what context length does to a score)")
+    p.add_argument("--horizon", type=_nonnegative_int,
+                   help="sum each score over the variant and this many bases after it (default: "
+                   "to the window's end; 256 with --context)")
     p.add_argument("--both-strands", action="store_true",
                    help="also score the reverse complement and average the two")
     p.add_argument("--multiallelic", choices=("split", "refuse"), default="split",
@@ -490,6 +497,10 @@ def _whole(text: str, least: int = 0) -> int:
 
 def _positive_int(text: str) -> int:
     return _whole(text, 1)
+
+
+def _nonnegative_int(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _terminated(signum, frame):

@@ -202,7 +202,10 @@ def print_variants(result) -> None:
     """How many alleles, the spread of their scores, files, time and peak memory."""
     console = Console()
     deltas = [v.delta for v in result.variants]
-    console.print(f"scored {len(deltas):,} variants (alleles) in {result.windows:,} windows: "
+    from megabase.infer.variants import scope
+
+    console.print(f"scored {len(deltas):,} variants (alleles) in {result.windows:,} passes "
+                  f"({scope(result.window, result.context, result.horizon)}): "
                   f"log p(alt) - log p(ref) median {_num(sorted(deltas)[len(deltas) // 2])} nats, "
                   f"min {_num(min(deltas))}, max {_num(max(deltas))}" if deltas else
                   "no variants in the VCF")

@@ -3,7 +3,8 @@ random substitutions at the same sites.
 
     python scripts/primate_variants.py --checkpoint RUN_OR_CHECKPOINT --data HUMAN_STORE \\
         --maf /usr/share/doc/maffilter/examples/Gorilla/Compara.epo_5_catarrhini_hsap-projected.chr22.subset.nogap.cleaned_aln.maf.gz \\
-        --out primate-check [--sites 600] [--window 4096] [--region chr22:40,000,001-51,304,566]
+        --out primate-check [--sites 600] [--context 4096,65536] [--blocks 24] \
+        [--region chr22:40,000,001-51,304,566]
 
 The alignment is the Ensembl Compara EPO 5-primate chr22 one that the bundled human subset comes
 from (Debian package ``maffilter-examples``; ``apt-get download maffilter-examples`` and
@@ -22,7 +23,16 @@ transversion. An order-``--markov`` Markov model fitted on the store's bases out
 scores the same alleles (the change in log-likelihood of the bases the substitution touches) as
 what k-mer statistics alone give.
 
-Writes ``--out``/sites.vcf, the ``megabase variants`` outputs, and prints the comparison.
+Each allele is scored at each ``--context`` length C with C to 2C bases of context before it and
+summed over itself and the ``--horizon`` bases after (``megabase variants --context``), so that
+two lengths score the same bases and differ only in what the model may read; the change of the
+chimpanzee-minus-random difference between the shortest and each longer context is reported per
+site, paired. A pass over 2C bases serves the sites of C bases, so scattered sites cost about 2C
+bases each: ``--blocks B`` draws the sites from B random blocks of the longest context instead of
+the whole region (``0``: anywhere).
+
+Writes ``--out``/sites.vcf, the ``megabase variants`` outputs (``--out``/context-C), and prints
+the comparison (also to ``--out``/summary.txt).
 """
 
 from __future__ import annotations
@@ -111,7 +121,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--region", default="chr22:40,000,001-51,304,566")
     p.add_argument("--sites", type=int, default=600)
-    p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--context", default="4096,65536",
+                   help="prior context lengths C, comma-separated: each site gets C..2C bases")
+    p.add_argument("--horizon", type=int, default=256,
+                   help="bases after the site that each score also sums (default 256)")
+    p.add_argument("--blocks", type=int, default=24,
+                   help="draw the sites from this many blocks of the longest context (0: anywhere)")
     p.add_argument("--flank", type=int, default=5)
     p.add_argument("--markov", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -129,10 +144,20 @@ def main() -> None:
     mismatch = sum(BASES[min(tokens[pos], 3)] != h or tokens[pos] > 3 for pos, h, _ in sites)
     if mismatch > len(sites) // 100:
         raise SystemExit(f"{args.maf}: {mismatch} of {len(sites)} human bases differ from {args.data}")
+    contexts = sorted({int(c.replace(",", "").replace("_", "")) for c in args.context.split(",")})
     rng = np.random.default_rng(args.seed)
-    chosen = sorted(rng.choice(len(sites), min(args.sites, len(sites)), replace=False))
     print(f"{len(sites):,} human-chimpanzee single-base differences in {args.region} "
-          f"(no gap within {args.flank}); scoring {len(chosen)}", flush=True)
+          f"(no gap within {args.flank})", flush=True)
+    pool = np.arange(len(sites))
+    if args.blocks:
+        block_of = np.array([pos // contexts[-1] for pos, _, _ in sites])
+        blocks = np.unique(block_of)
+        kept = rng.choice(blocks, min(args.blocks, len(blocks)), replace=False)
+        pool = np.flatnonzero(np.isin(block_of, kept))
+        print(f"drawing from {len(kept)} blocks of {contexts[-1]:,} bases ({len(pool):,} sites)")
+    chosen = sorted(rng.choice(pool, min(args.sites, len(pool)), replace=False))
+    print(f"scoring {len(chosen)} sites at context {', '.join(f'{c:,}' for c in contexts)}",
+          flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,25 +177,42 @@ def main() -> None:
     vcf = out / "sites.vcf"
     vcf.write_text("\n".join(lines) + "\n")
 
-    result = score_variants(args.checkpoint, args.data, vcf, out / "scores", window=args.window)
-    delta = {(v.pos, v.alt): v.delta for v in result.variants}
     train = np.concatenate([tokens[: region.start], tokens[end:]])
     markov = MarkovModel(args.markov).fit(train)
-    table = np.array([[delta[pos, c], delta[pos, r], markov_llr(markov, tokens, pos, c),
-                       markov_llr(markov, tokens, pos, r)] for pos, h, c, r, m in rows])
-    tv = [(delta[pos, c], delta[pos, m], markov_llr(markov, tokens, pos, c),
-           markov_llr(markov, tokens, pos, m)) for pos, h, c, r, m in rows if m]
-    tv = np.array(tv)
-    report = [
-        summary("model, any random base", table[:, 0], table[:, 1], rng),
-        summary(f"order-{args.markov} Markov, any random base", table[:, 2], table[:, 3], rng),
-        summary("model, transversions matched", tv[:, 0], tv[:, 1], rng),
-        summary(f"order-{args.markov} Markov, transversions matched", tv[:, 2], tv[:, 3], rng),
-        f"scored in {result.seconds:.0f} s ({len(result.variants)} alleles, {result.windows} windows "
-        f"of {args.window:,})",
-    ]
+    mk = {(pos, b): markov_llr(markov, tokens, pos, b) for pos, h, c, r, m in rows
+          for b in (c, r, m) if b}
+    report = [summary(f"order-{args.markov} Markov, any random base",
+                      np.array([mk[pos, c] for pos, h, c, r, m in rows]),
+                      np.array([mk[pos, r] for pos, h, c, r, m in rows]), rng),
+              summary(f"order-{args.markov} Markov, transversions matched",
+                      np.array([mk[pos, c] for pos, h, c, r, m in rows if m]),
+                      np.array([mk[pos, m] for pos, h, c, r, m in rows if m]), rng)]
+    print("\n".join(report), flush=True)
+    gaps = {}
+    for context in contexts:
+        result = score_variants(args.checkpoint, args.data, vcf, out / f"context-{context}",
+                                context=context, horizon=args.horizon)
+        delta = {(v.pos, v.alt): v.delta for v in result.variants}
+        chimp = np.array([delta[pos, c] for pos, h, c, r, m in rows])
+        gaps[context] = chimp - np.array([delta[pos, r] for pos, h, c, r, m in rows])
+        tv = np.array([(delta[pos, c], delta[pos, m]) for pos, h, c, r, m in rows if m])
+        lines = [summary(f"model at {context:,}..{2 * context:,}, any random base", chimp,
+                         chimp - gaps[context], rng),
+                 summary(f"model at {context:,}..{2 * context:,}, transversions matched",
+                         tv[:, 0], tv[:, 1], rng),
+                 f"scored in {result.seconds:.0f} s ({len(result.variants)} alleles, "
+                 f"{result.windows} passes)"]
+        print("\n".join(lines), flush=True)
+        report += lines
+    for context in contexts[1:]:
+        change = gaps[context] - gaps[contexts[0]]
+        boot = [change[rng.integers(0, len(change), len(change))].mean() for _ in range(2000)]
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        report.append(f"context {context:,} vs {contexts[0]:,}: chimpanzee-minus-random difference "
+                      f"changes by {change.mean():+.4f} nats (95% CI {lo:+.4f} to {hi:+.4f}), "
+                      f"paired over {len(change)} sites")
+        print(report[-1])
     (out / "summary.txt").write_text("\n".join(report) + "\n")
-    print("\n".join(report))
 
 
 if __name__ == "__main__":

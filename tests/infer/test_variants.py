@@ -223,3 +223,73 @@ def test_positions_outside_the_contig_say_so(checkpoint, bundled_store, tmp_path
     err = capsys.readouterr().err.strip()
     assert message.format(n=n, n1=n + 1) in err and len(err.splitlines()) == 1
     assert "does not match" not in err and not out.exists()
+
+
+def _span_delta(model, tokens, lo, hi, pos, ref_len, alt, horizon):
+    """log p(alt) - log p(ref) over the variant's bases and ``horizon`` after, the pass read from
+    ``lo`` (the context) to ``hi``: two independent full passes."""
+    tile = np.asarray(tokens[lo:hi])
+    p = pos - lo
+    alt_tile = np.concatenate([tile[:p], alt, tile[p + ref_len:]])
+
+    def lp(t):
+        seq = torch.from_numpy(np.concatenate([[SEP], t]).astype(np.int64))[None]
+        got = log_probs(model, seq)[0].double().numpy()
+        return np.where(t < 4, got, 0.0)
+
+    end = p + ref_len + horizon
+    return float(lp(alt_tile)[p:end - ref_len + len(alt)].sum() - lp(tile)[p:end].sum())
+
+
+def test_context_mode_gives_each_variant_c_to_2c_of_context_and_a_fixed_horizon(
+        checkpoint, bundled_store, tmp_path, capsys):
+    """--context 512 --horizon 40: a variant at 1,300 is read from 512 (1,300 - 512 = 788 bases of
+    context, in 512..1,024), its score summed over itself and 40 bases; its reverse-strand score
+    from a pass whose 3' context runs to 1,536; a deletion's horizon follows its REF."""
+    import pysam
+
+    tokens = bundled_store.tokens("chr22")
+    g = lambda pos: "ACGTN"[int(tokens[pos - 1])]  # noqa: E731
+    vcf = _vcf(tmp_path, bundled_store, [("chr22", 1_301, None, "C" if g(1_301) != "C" else "A"),
+                                         ("chr22", 1_401, g(1_401) + g(1_402) + g(1_403),
+                                          g(1_401)),
+                                         ("chr22", 2_000, None, "G" if g(2_000) != "G" else "T")])
+    out = tmp_path / "o"
+    assert main(["variants", "--checkpoint", str(checkpoint), "--data", str(bundled_store.path),
+                 "--vcf", str(vcf), "--context", "512", "--horizon", "40", "--both-strands",
+                 "--out", str(out), "--quiet"]) == 0
+    said = capsys.readouterr().out
+    assert "512 to 1,024 bases of prior context" in said and "2 passes" in said
+    rows = [r.split("\t") for r in (out / "variants.tsv").read_text().splitlines()[1:]]
+    model = load_checkpoint(checkpoint).eval()
+    snv = tokenize(rows[0][4])
+    assert abs(float(rows[0][6]) - _span_delta(model, tokens, 512, 1_300 + 41, 1_300, 1, snv,
+                                               40)) <= 1e-4
+    deletion = _span_delta(model, tokens, 512, 1_400 + 43, 1_400, 3, tokenize(rows[1][4]), 40)
+    assert abs(float(rows[1][6]) - deletion) <= 1e-4
+    # 1,999 lies in 1,536..2,048: read from 1,024
+    snv = tokenize(rows[2][4])
+    assert abs(float(rows[2][6]) - _span_delta(model, tokens, 1_024, 2_040, 1_999, 1, snv,
+                                               40)) <= 1e-4
+    # the reverse strand of the first: the reverse complement of 1,024 - 40 .. 2,048 (the forward
+    # coordinates), its context the 1,536 - 1,301 bases 3' of it
+    rc = lambda t: RC_LUT[np.asarray(t)][::-1].copy()  # noqa: E731
+    lo, hi = 1_024 - 40, 2_048
+    rev = rc(tokens[lo:hi])
+    p = hi - 1_300 - 1
+    expected = _span_delta(model, rev, 0, len(rev), p, 1, rc(tokenize(rows[0][4])), 40)
+    assert abs(float(rows[0][7]) - expected) <= 1e-4
+    with pysam.VariantFile(str(out / "variants.vcf.gz")) as f:
+        assert "512 to 1,024 bases of prior context" in str(f.header)
+
+
+def test_a_horizon_sums_only_the_bases_it_covers(checkpoint, bundled_store):
+    model = load_checkpoint(checkpoint).eval()
+    tile = np.asarray(bundled_store.tokens("chr22")[40_000:41_001])
+    edits = [(300, tile[300:301], np.array([(tile[300] + 1) % 4], dtype=np.uint8)),
+             (990, tile[990:991], np.array([(tile[990] + 1) % 4], dtype=np.uint8))]
+    short = score_tile(model, tile, edits, horizon=25)
+    whole = score_tile(model, tile, edits)
+    assert abs(short[0] - _span_delta(model, tile, 0, len(tile), 300, 1, edits[0][2], 25)) <= 1e-4
+    assert abs(short[1] - whole[1]) <= 1e-6  # the horizon runs past the tile: it ends there
+    assert abs(short[0] - whole[0]) > 1e-6

@@ -54,3 +54,38 @@ def test_markov_llr_counts_only_the_bases_the_substitution_touches():
     edited[20] = (tokens[20] + 1) % 4
     whole = np.nansum(model.log_probs(edited)) - np.nansum(model.log_probs(tokens))
     assert markov_llr(model, tokens, 20, alt) == pytest.approx(whole, abs=1e-9)
+
+
+def test_the_script_scores_planted_differences_at_two_contexts(checkpoint, bundled_store,
+                                                               tmp_path):
+    """A MAF whose human row is the store's own chr22 and whose chimpanzee row differs at every
+    50th base: the script draws sites from 2 blocks, scores them at contexts 64 and 256 and
+    reports the two, the Markov baseline and the paired change."""
+    import subprocess
+
+    tokens = np.asarray(bundled_store.tokens("chr22")[:6_000])
+    human = "".join("ACGTN"[min(int(t), 4)] for t in tokens)
+    chimp = list(human)
+    for i in range(25, len(chimp), 50):
+        chimp[i] = "ACGT"[("ACGT".index(human[i]) + 1) % 4] if human[i] in "ACGT" else human[i]
+    maf = tmp_path / "aln.maf.gz"
+    with gzip.open(maf, "wt") as fh:
+        fh.write(f"##maf version=1\na\ns Hsap.22 0 6000 + 6000 {human}\n"
+                 f"s Ptro.22 0 6000 + 6000 {''.join(chimp)}\n")
+    out = tmp_path / "check"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "primate_variants.py"
+    done = subprocess.run([sys.executable, str(script), "--checkpoint", str(checkpoint),
+                           "--data", str(bundled_store.path), "--maf", str(maf), "--out", str(out),
+                           "--region", "chr22:1,001-6,000", "--sites", "8", "--context", "64,256",
+                           "--horizon", "16", "--blocks", "2", "--markov", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    said = (out / "summary.txt").read_text()
+    assert "model at 64..128" in said and "model at 256..512" in said
+    assert "order-2 Markov, any random base: n=8" in said
+    assert "context 256 vs 64" in said and "paired over 8 sites" in said
+    sites = [int(line.split("\t")[1]) - 1 for line in (out / "sites.vcf").read_text().splitlines()
+             if not line.startswith("#")]
+    assert len({s // 256 for s in sites}) <= 2 and all(s % 50 == 25 for s in sites)
+    for c in (64, 256):
+        assert (out / f"context-{c}" / "variants.tsv").is_file()
