@@ -1,4 +1,5 @@
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,5 +190,7 @@ def test_every_shipped_config_loads_and_the_long_window_arms_match():
     assert long.train.warmup_steps * long.data.window_length == \
         short.train.warmup_steps * short.data.window_length
     assert long.train.init_from == short.train.init_from and long.train.lr == short.train.lr
-    assert long.eval == short.eval and long.data.eval == short.data.eval
+    # the same windows, controls and CIs; the long arm alone also carries the far-key ablation
+    assert replace(long.eval, ablations=short.eval.ablations) == short.eval
+    assert long.data.eval == short.data.eval and long.eval.ablations == ["dsa_near"]
     assert long.eval.length == 1_048_576 and long.eval.ci_block == 65_536
