@@ -36,7 +36,7 @@ from megabase.core.errors import InputError
 from megabase.core.locks import hold_reading, release_reading
 from megabase.core.vocab import vocab_dict
 
-from .config import RUNTIME_FIELDS, STAGE_FIELDS, ModelConfig
+from .config import NEUTRAL_FIELDS, RUNTIME_FIELDS, STAGE_FIELDS, ModelConfig
 from .lm import HybridLM
 
 
@@ -151,19 +151,27 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", **runt
     older checkpoints that recorded them have them ignored), and the DSA indexer's candidate
     stage (``dsa_stage``: the checkpoint's own, with the fields given changed, e.g.
     ``dsa_stage="exact"`` or ``dsa_stage={"start": 0}``; a checkpoint from before the stage
-    existed gets the defaults, which select as it did up to ``Stage.start``)."""
+    existed gets the defaults, which select as it did up to ``Stage.start``), and options that
+    start as the identity (``NEUTRAL_FIELDS``: ``dsa_gate=True`` adds open gates to a checkpoint
+    made without them; their weights start at zero)."""
     from safetensors.torch import load_file
 
-    allowed = RUNTIME_FIELDS + STAGE_FIELDS
+    allowed = RUNTIME_FIELDS + STAGE_FIELDS + NEUTRAL_FIELDS
     unknown = sorted(set(runtime) - set(allowed))
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not a runtime choice; choose from {', '.join(allowed)}")
     config = read_checkpoint_config(path)
     verify_checkpoint(path)
     fields = {k: v for k, v in config["model"].items() if k not in RUNTIME_FIELDS}
+    for name in NEUTRAL_FIELDS:
+        if name in runtime and fields.get(name) and not runtime[name]:
+            raise InputError(f"the checkpoint was trained with {name}; it cannot be switched off",
+                             path)
     model = HybridLM(ModelConfig.from_dict(fields, runtime))
     state = load_file(str(Path(path) / WEIGHTS), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if runtime.get("dsa_gate") and not fields.get("dsa_gate"):
+        missing = [k for k in missing if not k.endswith(".gate_proj.weight")]
     if missing or unexpected:
         raise InputError(f"weights do not match the config (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})", path)

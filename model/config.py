@@ -15,6 +15,9 @@ from megabase.kernels.kda import ALIASES as KDA_ALIASES, BACKENDS as KDA_BACKEND
 # How this machine runs the model, not the model: kernels and memory chunking. A checkpoint does not
 # keep them; whoever loads it picks them for its device (``auto``: C kernels on CPU, Triton/fla on CUDA).
 RUNTIME_FIELDS = ("kda_backend", "dsa_backend", "moe_chunk", "loss_chunk", "dsa_block")
+# Options whose parameters start as the identity: a checkpoint made without one may be loaded with
+# it switched on (train.init_from), and computes what it did until training moves them.
+NEUTRAL_FIELDS = ("dsa_gate",)
 # The flat names the DSA candidate stage's fields had before it became one sub-config
 # (``dsa_stage``, a Stage): config.json files and YAML overrides written then still read.
 LEGACY_STAGE = {"dsa_stage_from": "start", "dsa_stage_block": "block",
@@ -59,6 +62,7 @@ class ModelConfig:
     topk: int = 64
     keep_recent: int = 0
     dsa_kmer: int = 0  # DSA queries/keys/indexer also hash the last dsa_kmer tokens (0: none)
+    dsa_gate: bool = False  # a head-wise output gate on each DSA layer, open at the start
     rope_base: float = 500000.0  # rotary base of the attention mixer (DSA layers use no positions)
     indexer_mode: str = "sparse"
     # The indexer's candidate stage (megabase.kernels.dsa.stage.Stage): from position start on,

@@ -46,6 +46,13 @@ class DSALayer(HeadProjections):
     The layer starts as such a head (:meth:`init_copying`), and the index weights get a learnable
     per-head offset ``wi_bias`` (starting at 1) so that every index head starts by voting for its
     matches; training is free to make it anything else.
+
+    With ``dsa_gate`` each query head's output is scaled by ``2 sigmoid(w_h . x)``, a gate read
+    from the layer input ``x`` (the head-wise output gate of gated attention), ``w`` zero at the
+    start so that the gate is open (1) and the layer computes what it did without one. A head
+    whose selections hold nothing to copy still spends all of its softmax on them; the gate
+    lets the layer close the head where that happens (docs/science.md §14: on unique sequence a
+    megabase back, the selected far keys cost the 16k model).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -65,6 +72,11 @@ class DSALayer(HeadProjections):
             self.wi_bias = nn.Parameter(torch.ones(cfg.index_heads))
             self.init_copying()
         self.stage = cfg.stage()  # the indexer's candidate stage, or None: the exact scan
+        self.gate_proj = None
+        if cfg.dsa_gate:
+            with torch.random.fork_rng(devices=[]):  # every other weight drawn as without a gate
+                self.gate_proj = Linear(d, self.HQ)
+            nn.init.zeros_(self.gate_proj.weight)
 
     def forward(self, x: torch.Tensor, ctx: Context = DEFAULT):
         """Returns ``(y, aux_loss, indexer KL)``, the KL (detached, a scalar) only from a training
@@ -94,6 +106,8 @@ class DSALayer(HeadProjections):
             k, v, ki = seq.prefix(k, v, ki)  # keys of the shards before this one too
             o, kl = self.attend(q, k, v, qi, ki, wi, offset, ctx.seeds, ctx.selections,
                                 self._train_indexer(ctx), seq.key_grads(), seq.select)
+        if self.gate_proj is not None:
+            o = o * (2 * torch.sigmoid(self.gate_proj(x, u)))[..., None].to(o.dtype)
         y = self.o_proj(o.reshape(B, T, self.HQ * self.D), u)
         if kl is None:
             return y, x.new_zeros((), dtype=torch.float), None

@@ -454,17 +454,19 @@ def _check_init(cfg: RunConfig, source: str) -> None:
     """The overrides leave ``train.init_from``'s parameters as they are. Whether it is a checkpoint
     is asked when training starts (:func:`check_init_from`): a config may name one that a run
     before it will make."""
-    from megabase.model.config import RUNTIME_FIELDS, STAGE_FIELDS
+    from megabase.model.config import NEUTRAL_FIELDS, RUNTIME_FIELDS, STAGE_FIELDS
 
     if cfg.train.init_from is None:
         return
     if not str(cfg.train.init_from).strip():
         raise InputError("train.init_from must name a checkpoint or a run folder", source)
-    changed = sorted(set(cfg.model.overrides) - set(RUNTIME_FIELDS) - set(STAGE_FIELDS))
+    changed = sorted(set(cfg.model.overrides) - set(RUNTIME_FIELDS) - set(STAGE_FIELDS)
+                     - set(NEUTRAL_FIELDS))
     if changed:
         raise InputError(f"model.overrides.{changed[0]} would change the model that "
-                         "train.init_from holds; with init_from only kernels, chunk sizes and the "
-                         "DSA candidate stage (dsa_stage) may be set", source)
+                         "train.init_from holds; with init_from only kernels, chunk sizes, the "
+                         "DSA candidate stage (dsa_stage) and options that start as the identity "
+                         f"({', '.join(NEUTRAL_FIELDS)}) may be set", source)
 
 
 def check_init_from(cfg: RunConfig) -> None:
