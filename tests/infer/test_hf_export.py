@@ -420,3 +420,34 @@ def test_the_report_evaluate_writes_for_a_run_checkpoint_is_found(checkpoint, bu
                  "--baselines", "", "--no-copy", "--no-probe", "--bootstrap", "20", "--quiet",
                  "--no-mlflow"]) == 0
     assert find_report(ckpt) == tmp_path / "runs" / "r" / "eval" / "step-000002" / "report.json"
+
+
+GATED = r'''
+import sys
+sys.modules["megabase"] = None
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+lm = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+ids = torch.from_numpy(np.load(sys.argv[2]))[None]
+with torch.no_grad():
+    np.save(sys.argv[3], lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].numpy())
+'''
+
+
+def test_a_model_with_dsa_gates_exports_with_them(bundled_store, tmp_path):
+    import torch
+
+    from megabase.model import log_probs, save_checkpoint
+    from tests.model.test_dsa_gate import _gated
+    from tests.model.conftest import live_model
+
+    model = _gated(live_model("debug", dsa_gate=True)).eval()
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    assert main(["export-model", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    seq = np.concatenate([[SEP], np.asarray(bundled_store.tokens("chr22")[40_000:41_000])])
+    np.save(tmp_path / "ids.npy", seq.astype(np.int64))
+    done = run_python(GATED, tmp_path / "out", tmp_path / "ids.npy", tmp_path / "lp.npy",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ours = log_probs(model, torch.from_numpy(seq.astype(np.int64))[None])[0].numpy()
+    assert np.abs(np.load(tmp_path / "lp.npy") - ours).max() <= 1e-5
