@@ -16,6 +16,8 @@ from megabase.core.vocab import N_BASES, SEP
 from megabase.model import log_probs
 from megabase.model.dsa import DSALayer
 
+from .score import forward_hooks
+
 
 @contextmanager
 def recording_gates(model, length: int):
@@ -40,12 +42,8 @@ def recording_gates(model, length: int):
                 out[i][offset:hi] = gate[: hi - offset]
         return record
 
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
+    with forward_hooks(layers, hook):
         yield out
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @torch.no_grad()

@@ -22,6 +22,17 @@ from megabase.model.moe import N_MARGIN_BINS, MoE
 Scorer = Callable[[np.ndarray], np.ndarray]
 
 
+@contextmanager
+def forward_hooks(modules, hook: Callable[[int], Callable]) -> Iterator[None]:
+    """While the block runs, ``hook(i)`` is a forward hook of ``modules[i]``."""
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class ModelScorer:
     """A :class:`~megabase.model.HybridLM` as a scorer; windows longer than ``segment`` are
     streamed (KDA states and DSA caches carried), which equals the full pass exactly."""
@@ -44,12 +55,8 @@ class ModelScorer:
                 load[i] += (out[2] if margins else out[2][:, 0]).cpu()  # (y, aux, stats, experts)
             return add
 
-        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
-        try:
+        with forward_hooks(layers, hook):
             yield load
-        finally:
-            for h in handles:
-                h.remove()
 
     @torch.no_grad()
     def __call__(self, tokens: np.ndarray, ctx=None, segment: int | None = None,
