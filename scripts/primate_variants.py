@@ -32,13 +32,15 @@ bases each: ``--blocks B`` draws the sites from B random blocks of the longest c
 the whole region (``0``: anywhere).
 
 Writes ``--out``/sites.vcf, the ``megabase variants`` outputs (``--out``/context-C), and prints
-the comparison (also to ``--out``/summary.txt).
+the comparison (also to ``--out``/summary.txt). Run again with the same arguments, it reads the
+scores of every context an earlier try finished instead of scoring them again.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -113,6 +115,35 @@ def summary(name: str, tolerated: np.ndarray, random: np.ndarray, rng) -> str:
             f"{hi:+.3f}); chimpanzee allele scored higher at {np.mean(diff > 0):.1%} of sites")
 
 
+def beyond(name: str, model_gap: np.ndarray, markov_gap: np.ndarray, rng) -> str:
+    """Does the model tell the alleles apart beyond k-mer statistics: the share of sites where it
+    scores the chimpanzee allele above the random one, minus the Markov chain's share, paired per
+    site (the two scores are sums over different spans, so their signs compare, not their sizes)."""
+    diff = (model_gap > 0).astype(float) - (markov_gap > 0)
+    boot = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return (f"{name}: chimpanzee allele higher at {np.mean(model_gap > 0):.1%} vs "
+            f"{np.mean(markov_gap > 0):.1%} of sites, difference {diff.mean():+.1%} (95% CI "
+            f"{lo:+.1%} to {hi:+.1%})")
+
+
+def scores(args, vcf: Path, out: Path, context: int, reuse: bool) -> tuple[dict, str]:
+    """``(pos, alt) -> delta`` at ``context`` and a line on how it was had: ``megabase variants``
+    run now, or (``reuse``: the sites are an earlier try's) the TSV that try wrote."""
+    from megabase.infer import score_variants
+
+    tsv = out / "variants.tsv"
+    if reuse and tsv.is_file():
+        rows = [line.split("\t") for line in tsv.read_text().splitlines()[1:]]
+        return ({(int(r[1]) - 1, r[4]): float(r[8]) for r in rows},
+                f"scores of {len(rows)} alleles read from {tsv} (an earlier try)")
+    result = score_variants(args.checkpoint, args.data, vcf, out, context=context,
+                            horizon=args.horizon)
+    return ({(v.pos, v.alt): v.delta for v in result.variants},
+            f"scored in {result.seconds:.0f} s ({len(result.variants)} alleles, "
+            f"{result.windows} passes)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--checkpoint", required=True)
@@ -133,7 +164,6 @@ def main() -> None:
     args = p.parse_args()
 
     from megabase.eval.markov import MarkovModel
-    from megabase.infer import score_variants
 
     store = TokenStore(args.data)
     region = parse_region(args.region, store.names, str(store.path))
@@ -175,7 +205,15 @@ def main() -> None:
         alts = ",".join([c, r] + ([m] if m and m != r else []))
         lines.append(f"{chrom}\t{pos + 1}\tsite{pos + 1}\t{h}\t{alts}\t.\t.\t.")
     vcf = out / "sites.vcf"
-    vcf.write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    made = {"checkpoint": str(Path(args.checkpoint).resolve()), "data": str(Path(args.data).resolve()),
+            "horizon": args.horizon}
+    marker = out / "scored-with.json"
+    # an earlier try's scores still hold if it scored these sites with this model
+    same_sites = (vcf.is_file() and vcf.read_text() == text and marker.is_file()
+                  and json.loads(marker.read_text()) == made)
+    vcf.write_text(text)
+    marker.write_text(json.dumps(made))
 
     train = np.concatenate([tokens[: region.start], tokens[end:]])
     markov = MarkovModel(args.markov).fit(train)
@@ -188,20 +226,22 @@ def main() -> None:
                       np.array([mk[pos, c] for pos, h, c, r, m in rows if m]),
                       np.array([mk[pos, m] for pos, h, c, r, m in rows if m]), rng)]
     print("\n".join(report), flush=True)
+    mk_gap = np.array([mk[pos, c] - mk[pos, r] for pos, h, c, r, m in rows])
+    mk_tv = np.array([mk[pos, c] - mk[pos, m] for pos, h, c, r, m in rows if m])
     gaps = {}
     for context in contexts:
-        result = score_variants(args.checkpoint, args.data, vcf, out / f"context-{context}",
-                                context=context, horizon=args.horizon)
-        delta = {(v.pos, v.alt): v.delta for v in result.variants}
+        delta, how = scores(args, vcf, out / f"context-{context}", context, same_sites)
         chimp = np.array([delta[pos, c] for pos, h, c, r, m in rows])
         gaps[context] = chimp - np.array([delta[pos, r] for pos, h, c, r, m in rows])
         tv = np.array([(delta[pos, c], delta[pos, m]) for pos, h, c, r, m in rows if m])
-        lines = [summary(f"model at {context:,}..{2 * context:,}, any random base", chimp,
-                         chimp - gaps[context], rng),
-                 summary(f"model at {context:,}..{2 * context:,}, transversions matched",
-                         tv[:, 0], tv[:, 1], rng),
-                 f"scored in {result.seconds:.0f} s ({len(result.variants)} alleles, "
-                 f"{result.windows} passes)"]
+        name = f"model at {context:,}..{2 * context:,}"
+        lines = [summary(f"{name}, any random base", chimp, chimp - gaps[context], rng),
+                 summary(f"{name}, transversions matched", tv[:, 0], tv[:, 1], rng),
+                 beyond(f"{name} vs order-{args.markov} Markov, any random base", gaps[context],
+                        mk_gap, rng),
+                 beyond(f"{name} vs order-{args.markov} Markov, transversions matched",
+                        tv[:, 0] - tv[:, 1], mk_tv, rng),
+                 how]
         print("\n".join(lines), flush=True)
         report += lines
     for context in contexts[1:]:

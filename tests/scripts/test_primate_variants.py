@@ -87,5 +87,13 @@ def test_the_script_scores_planted_differences_at_two_contexts(checkpoint, bundl
     sites = [int(line.split("\t")[1]) - 1 for line in (out / "sites.vcf").read_text().splitlines()
              if not line.startswith("#")]
     assert len({s // 256 for s in sites}) <= 2 and all(s % 50 == 25 for s in sites)
+    assert "model at 64..128 vs order-2 Markov, any random base: chimpanzee allele higher at" in said
     for c in (64, 256):
         assert (out / f"context-{c}" / "variants.tsv").is_file()
+    # again: the earlier scores are read, and the summary is the same
+    again = subprocess.run(done.args, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("read from") == 2
+    same = (out / "summary.txt").read_text()
+    strip = lambda t: [l for l in t.splitlines() if "scored in" not in l and "read from" not in l]  # noqa: E731
+    assert strip(same) == strip(said)
