@@ -3,7 +3,7 @@
 # checkpoint, the long arm (40 steps at 524,288), its evaluation, the start's evaluation on the
 # same windows, then the 16k arm on as many tokens and its evaluation. Every step resumes where a
 # stopped try left it (training from its latest checkpoint, evaluation from the windows it
-# finished), so run this again after a stop until it ends; ~21 hours on 2 CPU cores in all.
+# finished), so run this again after a stop until it ends; ~30 hours on 2 CPU cores in all.
 # Run from the repository root after `bash scripts/setup.sh`; MEGABASE names another executable.
 set -euo pipefail
 mb=${MEGABASE:-.venv/bin/megabase}
