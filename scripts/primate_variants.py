@@ -106,10 +106,16 @@ def markov_llr(model, tokens: np.ndarray, pos: int, alt: str) -> float:
     return float(np.nansum(a) - np.nansum(r))
 
 
+def boot_ci(values: np.ndarray, rng) -> tuple[float, float]:
+    """95% CI of the mean of ``values`` over sites, 2,000 bootstrap draws from ``rng``."""
+    boot = [values[rng.integers(0, len(values), len(values))].mean() for _ in range(2000)]
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return lo, hi
+
+
 def summary(name: str, tolerated: np.ndarray, random: np.ndarray, rng) -> str:
     diff = tolerated - random
-    boot = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
-    lo, hi = np.percentile(boot, [2.5, 97.5])
+    lo, hi = boot_ci(diff, rng)
     return (f"{name}: n={len(diff)}, mean LLR chimpanzee {tolerated.mean():+.3f}, random "
             f"{random.mean():+.3f} nats; difference {diff.mean():+.3f} (95% CI {lo:+.3f} to "
             f"{hi:+.3f}); chimpanzee allele scored higher at {np.mean(diff > 0):.1%} of sites")
@@ -120,8 +126,7 @@ def beyond(name: str, model_gap: np.ndarray, markov_gap: np.ndarray, rng) -> str
     scores the chimpanzee allele above the random one, minus the Markov chain's share, paired per
     site (the two scores are sums over different spans, so their signs compare, not their sizes)."""
     diff = (model_gap > 0).astype(float) - (markov_gap > 0)
-    boot = [diff[rng.integers(0, len(diff), len(diff))].mean() for _ in range(2000)]
-    lo, hi = np.percentile(boot, [2.5, 97.5])
+    lo, hi = boot_ci(diff, rng)
     return (f"{name}: chimpanzee allele higher at {np.mean(model_gap > 0):.1%} vs "
             f"{np.mean(markov_gap > 0):.1%} of sites, difference {diff.mean():+.1%} (95% CI "
             f"{lo:+.1%} to {hi:+.1%})")
@@ -246,8 +251,7 @@ def main() -> None:
         report += lines
     for context in contexts[1:]:
         change = gaps[context] - gaps[contexts[0]]
-        boot = [change[rng.integers(0, len(change), len(change))].mean() for _ in range(2000)]
-        lo, hi = np.percentile(boot, [2.5, 97.5])
+        lo, hi = boot_ci(change, rng)
         report.append(f"context {context:,} vs {contexts[0]:,}: chimpanzee-minus-random difference "
                       f"changes by {change.mean():+.4f} nats (95% CI {lo:+.4f} to {hi:+.4f}), "
                       f"paired over {len(change)} sites")
