@@ -71,46 +71,32 @@ class ModelScorer:
         nll[tokens >= N_BASES] = np.nan
         return nll
 
-    @torch.no_grad()
-    def many(self, pieces: list[np.ndarray]) -> list[np.ndarray]:
-        """Score pieces of one length as one batch ``[len(pieces), n]``: the control's short
-        pieces, which one at a time leave most of a CPU's cores idle."""
-        seq = np.concatenate([np.full((len(pieces), 1), SEP), np.stack(pieces)], axis=1)
-        nll = -log_probs(self.model, torch.from_numpy(seq.astype(np.int64))).double().numpy()
-        nll[seq[:, 1:] >= N_BASES] = np.nan
-        return list(nll)
-
 
 def markov_scorer(model) -> Scorer:
     """An order-k :class:`~megabase.eval.markov.MarkovModel` as a scorer."""
     return lambda tokens: -model.log_probs(tokens)
 
 
-def truncated(scorer: Scorer, limit: int, batch: int = 8) -> Scorer:
+def truncated(scorer: Scorer, limit: int) -> Scorer:
     """The control: every target scored with at most ~``limit`` bases of context.
 
     Targets at offsets ``< limit`` keep their full context (it is already short); a target at
     offset ``i >= limit`` is scored inside the piece ``[(k-1) limit, (k+1) limit)`` with
     ``k = i // limit``, so its context is between ``limit`` and ``2 limit`` bases. Comparing the
     model's curve with this one separates "more context helps" from "later positions are easier".
-    A scorer with a ``many`` method (:class:`ModelScorer`) gets the full-length pieces ``batch`` at
-    a time; the numbers are those of scoring each piece alone.
+    Pieces are scored one at a time, a :class:`ModelScorer` streaming each in its ``segment``:
+    on 2 cores, 8 pieces of 32,768 bases as one batch cost 1.7x as much per token as one piece at
+    a time in two segments of 16,384 (docs/benchmarks.md, bench_eval).
     """
     if limit < 1:
         raise ValueError(f"context limit must be positive, got {limit}")
-    many = getattr(scorer, "many", None)
 
     def score(tokens: np.ndarray) -> np.ndarray:
         n = len(tokens)
         out = np.full(n, np.nan)
         out[: min(limit, n)] = scorer(tokens[: min(limit, n)])
-        starts = [(k - 1) * limit for k in range(1, -(-n // limit))]
-        full = [s for s in starts if s + 2 * limit <= n] if many else []
-        for i in range(0, len(full), batch):
-            group = full[i : i + batch]
-            for s, piece in zip(group, many([tokens[s : s + 2 * limit] for s in group])):
-                out[s + limit : s + 2 * limit] = piece[limit:]
-        for s in starts[len(full):]:
+        for k in range(1, -(-n // limit)):
+            s = (k - 1) * limit
             out[s + limit : s + 2 * limit] = scorer(tokens[s : s + 2 * limit])[limit:]
         return out
 

@@ -29,16 +29,22 @@ def test_truncation_control_limits_context():
     assert seen == [100, 200, 200, 200, 150] and out.shape == (450,)
 
 
-def test_batched_control_equals_one_piece_at_a_time(bundled_store):
+def test_streamed_control_pieces_equal_whole_pieces(bundled_store):
+    """The model's control streams each piece in the scorer's segments: the numbers of scoring
+    every piece whole, in a process with no streaming at all."""
     import torch
 
     from megabase.eval.score import ModelScorer
     from megabase.model import build_model
 
     torch.manual_seed(0)
-    scorer = ModelScorer(build_model("debug"))
+    model = build_model("debug")
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.5)  # zero-started: every base would score log 4
     tokens = np.array(bundled_store.tokens("chr22")[:1_037])
-    batched = truncated(scorer, 100, batch=3)(tokens)
-    alone = truncated(lambda t: scorer(t), 100)(tokens)  # no ``many``: piece by piece
-    assert np.isfinite(batched).sum() > 1_000
-    assert np.allclose(batched, alone, rtol=1e-5, atol=1e-5, equal_nan=True)
+    streamed = truncated(ModelScorer(model, segment=64), 100)(tokens)
+    whole = truncated(ModelScorer(model), 100)(tokens)
+    assert np.isfinite(streamed).sum() > 1_000
+    assert np.allclose(streamed, whole, rtol=1e-5, atol=1e-5, equal_nan=True)
+    full = ModelScorer(model)(tokens)
+    assert not np.allclose(streamed[200:], full[200:], rtol=1e-3, atol=1e-3, equal_nan=True)
