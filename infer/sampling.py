@@ -22,7 +22,7 @@ from megabase.core.vocab import N_BASES, SEP, SYMBOLS, gc_fraction
 from megabase.data import InputError, TokenStore
 from megabase.data.fasta import read_fasta, write_fasta
 from megabase.data.progress import progress as progress_of
-from megabase.model import decode_step, prefill
+from megabase.model import Piece, decode_step, prefill, repeat_state, state_bytes
 
 from .common import DEFAULT_SEGMENT, check_output_dir, load_model, peak_rss_bytes, resolve_regions
 
@@ -41,12 +41,15 @@ class Decoded:
     """A batch's samples: ``tokens [N, L]`` (A/C/G/T ids), ``log_probs [N, L]`` (natural log of
     each base under the model, temperature 1), ``sampled_log_probs [N, L]`` (under the distribution
     it was drawn from: temperature and top-k applied) and, when recorded, ``routing``: per MoE
-    layer the experts ``[N, P + L - 1, k]`` (uint8) of every input token, prompt included."""
+    layer the experts ``[N, P + L - 1, k]`` (uint8) of every input token, prompt included;
+    ``state_bytes``: what the batch's state held after its last base (every row's copy of its
+    prompt's KDA states and DSA caches, and the bases drawn)."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
     sampled_log_probs: torch.Tensor
     routing: list[torch.Tensor] | None = None
+    state_bytes: int = 0
 
 
 @torch.no_grad()
@@ -54,28 +57,42 @@ def sample(model, prompts: torch.Tensor, length: int, temperature: float = 1.0, 
            gen: torch.Generator | None = None, segment: int = DEFAULT_SEGMENT,
            before_step: Callable[[int], bool] | None = None,
            after_step: Callable[[int], None] | None = None,
-           record_routing: bool = False) -> Decoded:
-    """Draw ``length`` bases after each row of ``prompts [N, P]`` (token ids, the ``<sep>`` start
-    included), all rows as one batch.
+           record_routing: bool = False, group: int = 1) -> Decoded:
+    """Draw ``length`` bases ``group`` times after each row of ``prompts [n, P]`` (token ids, the
+    ``<sep>`` start included), all ``N = n * group`` samples as one batch (rows ``g * group ..
+    (g + 1) * group - 1`` follow prompt ``g``).
 
-    The prompts are read ``segment`` tokens at a time; each base is drawn from the softmax of the
-    logits over A/C/G/T divided by ``temperature`` (only the ``top_k`` most likely when > 0) with
-    ``gen``. ``before_step(i)`` runs before base ``i`` (1-based from the second base) is drawn:
-    the weights may change there, and when it returns True the state is read again under the new
-    weights from the prompt and the bases drawn so far (the routing recorded so far is dropped with
-    it). ``after_step(i)`` runs after base ``i`` is drawn. Raises :class:`SamplingError` when the
-    probabilities are not finite.
+    Each prompt is read once, ``segment`` tokens at a time, and its state copied for its
+    ``group`` samples (:func:`~megabase.model.stream.repeat_state`); each base is drawn from the
+    softmax of the logits over A/C/G/T divided by ``temperature`` (only the ``top_k`` most likely
+    when > 0) with ``gen``. ``before_step(i)`` runs before base ``i`` (1-based from the second
+    base) is drawn: the weights may change there, and when it returns True the state is read
+    again under the new weights: each prompt once more, then each sample's bases drawn so far
+    (the routing recorded so far is dropped with it). ``after_step(i)`` runs after base ``i`` is
+    drawn. Raises :class:`SamplingError` when the probabilities are not finite.
     """
-    N, P = prompts.shape
+    n, P = prompts.shape
+    N = n * group
     out = torch.empty(N, P + length, dtype=torch.int64)
-    out[:, :P] = prompts
+    out[:, :P] = prompts.repeat_interleave(group, 0)
     logps = torch.empty(N, length)
     sampled = torch.empty(N, length)
-    state, piece = prefill(model, out[:, :P], segment)
+
+    def read(drawn: int):
+        state, piece = prefill(model, prompts, segment)
+        state = repeat_state(state, group)
+        logits = piece.logits.repeat_interleave(group, 0)
+        routes = [r.repeat_interleave(group, 0) for r in piece.routing]
+        if drawn:
+            state, more = prefill(model, out[:, P : P + drawn], segment, state)
+            logits, routes = more.logits, [torch.cat(pair, 1) for pair in zip(routes, more.routing)]
+        return state, Piece(logits, routes)
+
+    state, piece = read(0)
     routing = [piece.routing] if record_routing else None
     for i in range(length):
         if i and before_step is not None and before_step(i):
-            state, piece = prefill(model, out[:, : P + i], segment)
+            state, piece = read(i)
             routing = [piece.routing] if record_routing else None
         last = piece.logits[:, -1].float()
         scores = last / temperature
@@ -96,7 +113,7 @@ def sample(model, prompts: torch.Tensor, length: int, temperature: float = 1.0, 
                 routing.append(piece.routing)
     if record_routing:
         routing = [torch.cat(layer, 1) for layer in zip(*routing)]
-    return Decoded(out[:, P:], logps, sampled, routing)
+    return Decoded(out[:, P:], logps, sampled, routing, state_bytes(state))
 
 
 @dataclass

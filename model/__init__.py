@@ -7,7 +7,8 @@ from .config import ModelConfig
 from .context import Context
 from .lm import HybridLM, LMOutput
 from .presets import PRESETS, get_preset, parameter_counts
-from .stream import Piece, advance, decode_step, fork, log_probs, prefill, stream
+from .stream import (Piece, advance, decode_step, fork, log_probs, prefill, repeat_state,
+                     state_bytes, stream)
 
 
 def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
@@ -18,5 +19,5 @@ def build_model(preset: str | ModelConfig = "debug", **overrides) -> HybridLM:
 
 __all__ = ["load_checkpoint", "read_checkpoint_config", "save_checkpoint", "verify_checkpoint",
            "ModelConfig", "Context", "HybridLM", "LMOutput", "log_probs", "stream", "advance", "fork",
-           "prefill", "decode_step", "Piece", "PRESETS",
+           "prefill", "repeat_state", "state_bytes", "decode_step", "Piece", "PRESETS",
            "get_preset", "parameter_counts", "build_model"]

@@ -61,10 +61,11 @@ def _run(model: HybridLM, inputs, state, layer, ctx):
 
 
 @torch.no_grad()
-def prefill(model: HybridLM, tokens: torch.Tensor, segment: int) -> tuple[list[dict], Piece]:
-    """Read ``tokens [B, P]`` into a new state ``segment`` tokens at a time -> ``(state, the last
-    piece's logits with every piece's routing)``."""
-    state = model.init_state()
+def prefill(model: HybridLM, tokens: torch.Tensor, segment: int,
+            state: list[dict] | None = None) -> tuple[list[dict], Piece]:
+    """Read ``tokens [B, P]`` into ``state`` (extended; a new one when None) ``segment`` tokens at
+    a time -> ``(state, the last piece's logits with every piece's routing)``."""
+    state = model.init_state() if state is None else state
     logits, parts = None, []
     for s in range(0, tokens.shape[1], segment):
         logits, _, routing = _run(model, tokens[:, s : s + segment], state, None, None)
@@ -97,6 +98,21 @@ def decode_step(model: HybridLM, tokens: torch.Tensor, state: list[dict]) -> Pie
 def fork(state: list[dict]) -> list[dict]:
     """A copy of a streaming state to continue two ways (entries are replaced, never mutated)."""
     return [dict(layer) for layer in state]
+
+
+def repeat_state(state: list[dict], times: int) -> list[dict]:
+    """A state of ``B`` sequences as one of ``B * times``: row ``b`` continues as rows
+    ``b * times .. (b + 1) * times - 1`` (a prompt read once, then sampled ``times`` ways). Each
+    row owns its copy: the KDA states and DSA caches of a prompt of ``P`` tokens take ``times``
+    as much memory as the prompt's own (:func:`state_bytes`)."""
+    return [{key: value.repeat_interleave(times, 0) for key, value in layer.items()
+             if isinstance(value, torch.Tensor)} for layer in state]
+
+
+def state_bytes(state: list[dict]) -> int:
+    """Bytes a streaming state's tensors hold (views of a cache's buffer count their own rows)."""
+    return sum(v.numel() * v.element_size() for layer in state for v in layer.values()
+               if isinstance(v, torch.Tensor))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ class PromptConfig:
     data: str | None = None  # a token store (megabase prepare); paths are relative to the cwd
     regions: list[str] = field(default_factory=list)  # store regions prompts are drawn from
     fasta: str | None = None  # or: every record of this FASTA is a prompt (cut to length)
-    length: int = 256  # bases of a prompt
+    length: int = 256  # bases of a prompt (131,072 tried; each read once per group)
     max_n_frac: float = 0.0  # most of a prompt that may be N (drawn again otherwise)
 
 
@@ -37,6 +37,7 @@ class RewardConfig:
     max_homopolymer: int = 6  # longest run of one base allowed
     sites: list[str] = field(default_factory=lambda: list(GOLDEN_GATE_SITES))  # forbidden, both strands
     repeat_k: int = 12  # no word of this many bases twice (direct or inverted repeat); 0: off
+    neighbourhood_k: int = 0  # no word of this many bases shared with the prompt, either strand; 0: off
     penalty: float = 1.0  # reward lost per violation (GC window out of band, long run, site, repeat)
     function: str | None = None  # instead: "module:function" or "file.py:function", sequences -> rewards
     # the held-out check the policy is not trained on: other matrices and a stricter threshold
@@ -67,7 +68,9 @@ class RLConfig:
     asynchronous: bool = True  # generator and trainer in two processes, the trainer a step behind
     async_level: int = 1  # versions a batch's starting weights may be behind the trainer's when it gets it
     max_off_policy_steps: int = 8  # groups with a base from an older policy than this are dropped
-    recompute_state: bool = False  # on new weights mid-sample: recompute the cache (else keep it)
+    # on new weights mid-sample: recompute the cache (each prompt read again once, then each
+    # sample's bases so far), else keep it
+    recompute_state: bool = False
     routing_replay: bool = True  # the trainer uses the generator's experts (R3)
     generator_dtype: str = "fp32"  # fp32 or bf16: the generator's numbers, as in practice, differ
     threads: int | None = None  # torch threads per process; None: the cores split between them
@@ -157,8 +160,9 @@ def check(cfg: RLConfig, source: str) -> None:
         bad("reward.gc_min", f"must be <= reward.gc_max, both in [0, 1] (got {r.gc_min}, {r.gc_max})")
     if r.penalty < 0:
         bad("reward.penalty", f"must be 0 or more (reward lost per violation), got {r.penalty}")
-    if r.repeat_k < 0:
-        bad("reward.repeat_k", f"must be 0 (off) or more, got {r.repeat_k}")
+    for key in ("repeat_k", "neighbourhood_k"):
+        if not 0 <= getattr(r, key) <= 31:  # a word's code is an int64
+            bad(f"reward.{key}", f"must be 0 (off) to 31 bases, got {getattr(r, key)}")
     if r.gc_window < 1 or r.max_homopolymer < 1:
         bad("reward.gc_window", "and reward.max_homopolymer must be at least 1")
     for site in r.sites:

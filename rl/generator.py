@@ -68,13 +68,15 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                  channel, version: int, gen: torch.Generator,
                  segment: int = 16_384) -> tuple[list[Rollout], int]:
     """``cfg.group_size`` samples of ``cfg.sample_length`` bases after each prompt (all decoded as
-    one batch by :func:`megabase.infer.sampling.sample`, new weights taken between steps). Returns
+    one batch by :func:`megabase.infer.sampling.sample`, each prompt read once for its group, new
+    weights taken between steps; with ``recompute_state`` an update reads each prompt again, once,
+    and then each sample's bases so far, all under the new weights). Returns
     the groups (rewards not yet filled) and the version the model ends at."""
     started = time.perf_counter()
     G, L = cfg.group_size, cfg.sample_length
-    first = np.stack([np.concatenate([[SEP], p]) for p in prompts]).astype(np.int64)
+    first = torch.from_numpy(np.stack([np.concatenate([[SEP], p]) for p in prompts]).astype(np.int64))
     P = first.shape[1]
-    tokens = torch.from_numpy(np.repeat(first, G, axis=0))  # [n * G, P]
+    tokens = first.repeat_interleave(G, 0)  # [n * G, P]
     versions = torch.empty(tokens.shape[0], L, dtype=torch.int32)
     updates = 0
     # the newest weights before the prompt is read: the prompt's cache then has the version of
@@ -96,8 +98,8 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
 
     record = any(True for _ in model.moe_layers())
     try:
-        done = sample(model, tokens, L, cfg.temperature, 0, gen, segment, before_step, after_step,
-                      record_routing=record)
+        done = sample(model, first, L, cfg.temperature, 0, gen, segment, before_step, after_step,
+                      record_routing=record, group=G)  # each prompt read once for its group
     except SamplingError as exc:
         raise TrainingError(f"the generator's sampling probabilities became non-finite at base "
                             f"{exc.base} of batch {batch} (policy version {version}, temperature "
@@ -110,7 +112,8 @@ def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
         routing = None if done.routing is None else [r[rows] for r in done.routing]
         groups.append(Rollout(batch, batch * len(prompts) + g, out[rows], P,
                               done.sampled_log_probs[rows], versions[rows], routing,
-                              torch.zeros(G), updates=updates, seconds=seconds))
+                              torch.zeros(G), updates=updates, seconds=seconds,
+                              state_bytes=done.state_bytes))
     return groups, version
 
 
@@ -124,9 +127,10 @@ class Scorer:
     def __call__(self, groups: list[Rollout]) -> None:
         for g in groups:
             sample = g.tokens[:, g.prompt_len :].numpy().astype(np.int64)
-            g.rewards = torch.as_tensor(self.reward(sample), dtype=torch.float32)
+            prompt = g.tokens[0, 1 : g.prompt_len].numpy()  # after <sep>; one prompt per group
+            g.rewards = torch.as_tensor(self.reward(sample, prompt), dtype=torch.float32)
             if hasattr(self.reward, "parts"):
-                g.reward_parts = self.reward.parts(sample)
+                g.reward_parts = self.reward.parts(sample, prompt)
             if self.check is not None:
                 g.heldout = {"motif_hits": self.check.parts(sample)["motif_hits"]}
 

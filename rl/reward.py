@@ -136,6 +136,29 @@ def site_count(tokens: np.ndarray, sites: Sequence[str]) -> np.ndarray:
     return out
 
 
+def canonical_words(tokens: np.ndarray, k: int) -> np.ndarray:
+    """``tokens [..., L]`` (A/C/G/T ids, N allowed) -> ``[..., L - k + 1]`` int64: each ``k``-base
+    word's code, the smaller of its own and its reverse complement's (a word and its other strand
+    are one word); -1 where the word holds a base that is not A/C/G/T."""
+    view = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int64), k, axis=-1)
+    weights = 4 ** np.arange(k - 1, -1, -1, dtype=np.int64)
+    fwd = (np.minimum(view, 3) * weights).sum(-1)
+    rev = ((3 - np.minimum(view, 3)[..., ::-1]) * weights).sum(-1)
+    return np.where((view > 3).any(-1), -1, np.minimum(fwd, rev))
+
+
+def shared_words(tokens: np.ndarray, context: np.ndarray, k: int) -> np.ndarray:
+    """Positions of each design ``tokens [N, L]`` whose ``k``-base word occurs in ``context [P]``
+    (the bases the design is inserted after) on either strand: ``[N]``. A probe, guide or insert
+    that shares a word with its neighbourhood can bind or recombine there."""
+    N, L = tokens.shape
+    if k < 1 or L < k or len(context) < k:
+        return np.zeros(N)
+    near = canonical_words(np.asarray(context), k)
+    near = np.unique(near[near >= 0])
+    return np.isin(canonical_words(tokens, k), near).sum(1).astype(np.float64)
+
+
 def repeats(tokens: np.ndarray, k: int) -> np.ndarray:
     """Positions whose ``k``-base word already occurred earlier in the sequence, directly or as
     its reverse complement (repeats are what DNA synthesis and assembly fail on): ``[N]``."""
@@ -143,19 +166,15 @@ def repeats(tokens: np.ndarray, k: int) -> np.ndarray:
     out = np.zeros(N)
     if k < 1 or L < k:
         return out
-    view = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int64), k, axis=1)
-    weights = 4 ** np.arange(k - 1, -1, -1, dtype=np.int64)
-    fwd = (view * weights).sum(-1)
-    rev = ((3 - view[..., ::-1]) * weights).sum(-1)
-    canonical = np.minimum(fwd, rev)
-    for i, row in enumerate(canonical):
+    for i, row in enumerate(canonical_words(tokens, k)):
         out[i] = len(row) - len(np.unique(row))
     return out
 
 
 class MotifReward:
     """``sum over motifs of hits - penalty * (GC violations + long runs + forbidden sites +
-    repeats)``."""
+    repeats + words shared with the neighbourhood)``; the last only when a context is given
+    and ``neighbourhood_k`` is set."""
 
     def __init__(self, cfg: RewardConfig, motifs: Sequence[str] | None = None,
                  threshold: float | None = None):
@@ -163,19 +182,22 @@ class MotifReward:
         self.pwms = jaspar_pwms(cfg.motifs if motifs is None else motifs, cfg.release)
         self.threshold = cfg.threshold if threshold is None else threshold
 
-    def parts(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    def parts(self, tokens: np.ndarray, context: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """``tokens [N, L]``, the designs; ``context [P]``, the prompt they follow."""
         c = self.cfg
         hits = sum(p.hits(tokens, self.threshold) for p in self.pwms)
-        return {"motif_hits": np.asarray(hits, dtype=np.float64),
-                "gc_violations": gc_violations(tokens, c.gc_window, c.gc_min, c.gc_max),
-                "long_runs": long_runs(tokens, c.max_homopolymer),
-                "sites": site_count(tokens, c.sites),
-                "repeats": repeats(tokens, c.repeat_k)}
+        out = {"motif_hits": np.asarray(hits, dtype=np.float64),
+               "gc_violations": gc_violations(tokens, c.gc_window, c.gc_min, c.gc_max),
+               "long_runs": long_runs(tokens, c.max_homopolymer),
+               "sites": site_count(tokens, c.sites),
+               "repeats": repeats(tokens, c.repeat_k)}
+        if c.neighbourhood_k and context is not None:
+            out["neighbourhood_words"] = shared_words(tokens, context, c.neighbourhood_k)
+        return out
 
-    def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        p = self.parts(tokens)
-        return p["motif_hits"] - self.cfg.penalty * (p["gc_violations"] + p["long_runs"] +
-                                                     p["sites"] + p["repeats"])
+    def __call__(self, tokens: np.ndarray, context: np.ndarray | None = None) -> np.ndarray:
+        p = self.parts(tokens, context)
+        return p.pop("motif_hits") - self.cfg.penalty * sum(p.values())
 
 
 class CallableReward:
@@ -185,8 +207,8 @@ class CallableReward:
         self.spec = spec
         self.fn = load_callable(spec, base)
 
-    def __call__(self, tokens: np.ndarray) -> np.ndarray:
-        """``tokens [N, L]`` -> ``[N]`` float64 rewards, each finite in float32 (the precision
+    def __call__(self, tokens: np.ndarray, context: np.ndarray | None = None) -> np.ndarray:
+        """``tokens [N, L]`` -> ``[N]`` float64 rewards (``context``, the prompt, is not passed on), each finite in float32 (the precision
         they travel and train in)."""
         seqs = ["".join(SYMBOLS[t] for t in row.tolist()) for row in tokens]
         try:

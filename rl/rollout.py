@@ -37,6 +37,7 @@ class Rollout:
     reward_parts: dict[str, np.ndarray] = field(default_factory=dict)
     updates: int = 0  # weight updates taken while this group was being sampled
     seconds: float = 0.0
+    state_bytes: int = 0  # the generator's state for the whole batch this group was sampled in
 
     @property
     def policies(self) -> int:

@@ -74,6 +74,7 @@ def batch_metrics(groups: list[Rollout]) -> dict[str, float]:
             [g.heldout["motif_hits"] for g in groups])))
     out["generator/updates_in_flight"] = float(np.mean([g.updates for g in groups]))
     out["generator/seconds"] = float(groups[0].seconds)
+    out["generator/state_mib"] = groups[0].state_bytes / 2**20
     return out
 
 

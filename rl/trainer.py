@@ -18,24 +18,67 @@ from .rollout import Rollout
 
 
 def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature: float,
-                      routing: list[torch.Tensor] | None = None, force: bool = True):
+                      routing: list[torch.Tensor] | None = None, force: bool = True,
+                      group: int | None = None):
     """Log-probs ``[N, L]`` of the sampled bases ``tokens[:, prompt_len:]`` given everything
-    before them (one parallel pass over ``tokens[:, :-1]``), the share of (token, MoE layer)
-    pairs whose experts differ between ``routing`` and the router (0 without ``routing``), and
-    ``[N, L]``: the sampled bases predicted from a token whose experts differ in some layer."""
+    before them, the share of (token, MoE layer) pairs whose experts differ between ``routing``
+    and the router (0 without ``routing``), and ``[N, L]``: the sampled bases predicted from a
+    token whose experts differ in some layer.
+
+    With ``group``, rows come in groups of ``group`` that share their prompt: each group's prompt
+    is read once (one pass of ``prompt_len - 1`` tokens, with autograd), its state copied to the
+    group's rows, and their sampled bases read from it (:func:`group_pass`); gradients reach the
+    prompt's keys, values and states through the copies. Without it, one parallel pass over
+    ``tokens[:, :-1]``, every row's prompt included."""
     inputs = tokens[:, :-1]
     L = tokens.shape[1] - prompt_len
+    if group:
+        logits, own = group_pass(model, tokens, prompt_len, group, routing, force)
+    else:
+        ctx = None if routing is None else replay_context(model, routing, inputs.shape[1], force)
+        out = model(inputs, ctx=ctx)
+        logits, own = out.logits[:, prompt_len - 1 :], out.router_choice
     if routing is None:
-        logits = model(inputs).logits
         flips, routed = 0.0, torch.zeros(tokens.shape[0], L, dtype=torch.bool)
     else:
-        ctx = replay_context(model, routing, inputs.shape[1], force)
-        out = model(inputs, ctx=ctx)
-        flips, differs = routing_flips(ctx.replay, out.router_choice)
+        recorded = [r[:, : inputs.shape[1]] for r in routing]
+        flips, differs = routing_flips(recorded, own)
         routed = differs[:, prompt_len - 1 :]
-        logits = out.logits
-    logp = torch.log_softmax(logits[:, prompt_len - 1 :].float() / temperature, -1)
+    logp = torch.log_softmax(logits.float() / temperature, -1)
     return logp.gather(-1, tokens[:, prompt_len:, None])[..., 0], flips, routed
+
+
+def group_pass(model, tokens: torch.Tensor, prompt_len: int, group: int,
+               routing: list[torch.Tensor] | None = None, force: bool = True):
+    """``tokens [N, S]`` in groups of ``group`` rows sharing ``tokens[:, :prompt_len]``: the
+    logits ``[N, S - prompt_len, 4]`` that predict the sampled bases, and per MoE layer the
+    router's own experts of every input ``[N, S - 1, k]``. One pass over each group's prompt
+    (its first ``prompt_len - 1`` tokens; the last prompt token predicts the first sampled base,
+    so it is read with the samples), then one over the group's sampled bases from a copy of the
+    prompt's state per row; ``routing`` (per MoE layer ``[N, >= S - 1, k]``) is replayed on both."""
+    from megabase.model import repeat_state
+
+    N, S = tokens.shape
+    if N % group:
+        raise ValueError(f"{N} rows are not groups of {group}")
+    head = prompt_len - 1
+    logits, own = [], []
+    for g in range(0, N, group):
+        rows = tokens[g : g + group]
+        first, rest = rows[:1, :head], rows[:, head:-1]
+        replay = None if routing is None else [r[g : g + group] for r in routing]
+        state = model.init_state()
+        ctx = None if replay is None else replay_context(model, [r[:1, :head] for r in replay],
+                                                         head, force)
+        shared = model(first, state=state, ctx=ctx)
+        state = repeat_state(state, group)
+        ctx = None if replay is None else replay_context(
+            model, [r[:, head : S - 1] for r in replay], S - 1 - head, force)
+        out = model(rest, state=state, ctx=ctx)
+        logits.append(out.logits)
+        own.append([torch.cat([a.expand(group, -1, -1), b], 1)
+                    for a, b in zip(shared.router_choice, out.router_choice)])
+    return torch.cat(logits), [torch.cat(layer) for layer in zip(*own)]
 
 
 def clean_bases(versions: torch.Tensor, version: int, recompute_state: bool) -> torch.Tensor:
@@ -102,10 +145,11 @@ class Trainer:
         b = merge(groups)
         P, routing = b["prompt_len"], b["routing"]
         replay = cfg.routing_replay and routing is not None
+        G = cfg.group_size  # each group's prompt read once, not once per sample
         logp, flips, routed = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature,
-                                                routing, force=replay)
+                                                routing, force=replay, group=G)
         with torch.no_grad():
-            ref, _, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature)
+            ref, _, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature, group=G)
         adv = group_advantages(b["rewards"], cfg.group_size)
         parts = rl_loss(logp, b["behaviour"], adv, ref_logp=ref, mask_ratio=cfg.mask_ratio,
                         log_ratio_weight=cfg.log_ratio_weight, beta=cfg.beta)
@@ -125,7 +169,8 @@ class Trainer:
             # the other side of the comparison: the same pass with replay switched the other way
             with torch.no_grad():
                 other, other_flips, other_routed = sampled_log_probs(
-                    self.policy, b["tokens"], P, cfg.temperature, routing, force=not replay)
+                    self.policy, b["tokens"], P, cfg.temperature, routing, force=not replay,
+                    group=G)
             tag = "without_replay" if replay else "with_replay"
             for k, v in mismatch(other, b["behaviour"], same).items():
                 metrics[f"mismatch_{tag}/{k}"] = v

@@ -118,3 +118,33 @@ def test_errors_inside_a_temporary_name_the_target(tmp_path):
             raise OSError("100000 requested and 2484 written")
     assert exc.value.filename == str(target) and "short write" in exc.value.strerror
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_prompt_read_once_for_its_group_samples_as_separate_reads_do(model, bundled_store):
+    """Two prompts of real DNA, three samples each: reading each prompt once and copying its state
+    gives the samples, log-probs and routing of reading it once per sample; reading the state
+    again mid-sample (what an update with ``recompute_state`` does) changes nothing either."""
+    from megabase.infer.sampling import sample
+    from megabase.model import prefill, repeat_state, state_bytes
+
+    tokens = np.asarray(bundled_store.tokens("chr22"))
+    prompts = torch.from_numpy(np.stack([np.concatenate([[SEP], tokens[s : s + 2_500]])
+                                         for s in (40_000, 90_000)]).astype(np.int64))
+
+    def draw(rows, group, before_step=None):
+        return sample(model, rows, 60, gen=torch.Generator().manual_seed(7), segment=1_000,
+                      before_step=before_step, record_routing=True, group=group)
+
+    forked = draw(prompts, 3)
+    apart = draw(prompts.repeat_interleave(3, 0), 1)
+    assert forked.tokens.shape == (6, 60)
+    assert torch.equal(forked.tokens, apart.tokens)
+    assert (forked.log_probs - apart.log_probs).abs().max() <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(forked.routing, apart.routing))
+    assert not torch.equal(forked.tokens[0], forked.tokens[1])  # the group's samples differ
+    again = draw(prompts, 3, before_step=lambda i: i in (1, 30))
+    assert torch.equal(again.tokens, forked.tokens)
+    assert (again.log_probs - forked.log_probs).abs().max() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(again.routing, forked.routing))
+    state, _ = prefill(model, prompts[:1], 1_000)
+    assert state_bytes(repeat_state(state, 3)) == 3 * state_bytes(state)

@@ -7,7 +7,7 @@ import pytest
 from megabase.data import InputError
 from megabase.rl.config import RewardConfig
 from megabase.rl.reward import (CallableReward, MotifReward, diversity, gc_violations, long_runs,
-                                repeats, site_count)
+                                repeats, shared_words, site_count)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,36 @@ def test_the_largest_float32_reward_is_kept(tmp_path):
     (tmp_path / "r.py").write_text("def reward(seqs):\n    return [3.4e38, -3.4e38]\n")
     out = CallableReward("r.py:reward", tmp_path)(np.zeros((2, 10), dtype=np.int64))
     assert out.tolist() == [3.4e38, -3.4e38]
+
+
+def test_words_shared_with_the_neighbourhood_on_either_strand(hsap_store):
+    """Designs after 131,072 bases of human chr22: a 12-base word planted from the neighbourhood,
+    or its reverse complement, is found where it is; a word the neighbourhood holds only across
+    an N is not a shared word."""
+    context = np.array(hsap_store.tokens("chr22")[20_000_000 : 20_000_000 + 131_072])
+    assert 0.05 < (context >= 4).mean() < 0.95  # real bases and N
+    k = 12
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, (4, 100))
+    clean = shared_words(x, context, k)
+    # 356 random 12-mers, each matching one of < 2 x 131k (word, strand) of 4^12 by chance: ~6
+    assert clean.sum() < 20
+    real = np.flatnonzero(np.convolve(context < 4, np.ones(k), "valid") == k)
+    word = context[real[len(real) // 2] :][:k].astype(np.int64)
+    x[1, 40 : 40 + k] = word
+    x[2, 10 : 10 + k] = 3 - word[::-1]  # the other strand
+    got = shared_words(x, context, k)
+    assert got[1] >= clean[1] + 1 and got[2] >= clean[2] + 1
+    assert got[0] == clean[0] and got[3] == clean[3]
+    fresh = rng.integers(0, 4, (1, k))
+    assert shared_words(fresh, context, k).item() == 0
+    planted = context.copy()
+    planted[500 : 500 + k] = fresh[0]
+    assert shared_words(fresh, planted, k).item() == 1
+    planted[505] = 4  # N
+    assert shared_words(fresh, planted, k).item() == 0
+    reward = MotifReward(RewardConfig(neighbourhood_k=k))
+    parts = reward.parts(x, context)
+    assert parts["neighbourhood_words"].tolist() == got.tolist()
+    assert (reward(x, context) - reward(x) == -got).all()  # one penalty per shared position
+    assert "neighbourhood_words" not in MotifReward(RewardConfig()).parts(x, context)
