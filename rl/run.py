@@ -33,6 +33,7 @@ from megabase.model.checkpoint import (CONFIG, WEIGHTS, read_checkpoint_config, 
 from megabase.pipeline.tracking import open_run
 
 from .config import RLConfig
+from .fit import PROBES, check_rl_fits
 from .generator import Scorer, SyncGenerator
 from .remote import AsyncGenerator, generator_main, threads_for
 from .reward import diversity
@@ -137,6 +138,8 @@ def _rl(cfg: RLConfig, checkpoint: str, out: Path, progress: bool,
                                                              dtype=torch.int32), None,
                    torch.zeros(2))])  # bad reward code: refused here too
     torch.set_num_threads(threads_for(cfg))
+    if cfg.prompt.length > PROBES[-1]:  # a job that cannot fit: refused before a process starts
+        check_rl_fits(model, cfg)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(model, cfg)
     uri = cfg.tracking_uri or f"sqlite:///{out / 'mlflow.db'}"

@@ -1,0 +1,116 @@
+"""Will an RL job fit in this machine's memory: its trainer step and its generator's state at the
+job's prompt length, measured on the job's own model before anything starts.
+
+The trainer's step holds, at its peak, the policy's forward and backward over each group's
+prompt and samples (:func:`megabase.rl.trainer.group_pass`, whole: the prompt is not walked in
+segments yet), on top of the weights, a frozen copy and AdamW's moments; the generator holds its
+own copy of the weights and one batch's states (every sample's copy of its prompt's KDA states and
+DSA caches). Both grow with the prompt's length, so both are measured at :data:`PROBES` prompt
+lengths and fitted as ``c + a P``, as :mod:`megabase.pipeline.fit` does for a training step.
+:func:`check_rl_fits` refuses a job that cannot fit, with the longest prompt that would.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megabase.core.errors import InputError
+from megabase.core.vocab import SEP
+from megabase.model import prefill, repeat_state, state_bytes
+from megabase.pipeline.fit import HEADROOM, available_bytes
+from megabase.pipeline.memory import heap_trimmer, proc_status, reset_peak_rss
+
+from .config import RLConfig
+from .trainer import sampled_log_probs
+
+PROBES = (1024, 2048)  # prompt lengths measured
+
+
+def _batch(cfg: RLConfig, prompt: int, gen: torch.Generator) -> torch.Tensor:
+    """``[prompts_per_step * group_size, 1 + prompt + sample_length]`` random bases, one prompt
+    per group."""
+    n, G = cfg.prompts_per_step, cfg.group_size
+    first = torch.randint(0, 4, (n, prompt), generator=gen)
+    rows = torch.cat([torch.full((n, 1), SEP), first], 1).repeat_interleave(G, 0)
+    return torch.cat([rows, torch.randint(0, 4, (n * G, cfg.sample_length), generator=gen)], 1)
+
+
+def trainer_peak(model, cfg: RLConfig, prompt: int) -> int:
+    """Peak bytes above the start of the policy's pass and backward over one batch of prompts of
+    ``prompt`` bases."""
+    tokens = _batch(cfg, prompt, torch.Generator().manual_seed(prompt))
+    trim = heap_trimmer()
+    if trim is not None:
+        trim()
+    start = proc_status("VmRSS") or 0
+    reset_peak_rss()
+    logp, _, _ = sampled_log_probs(model, tokens, 1 + prompt, cfg.temperature,
+                                   group=cfg.group_size)
+    logp.sum().backward()
+    peak = (proc_status("VmHWM") or start) - start
+    del logp
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def generator_state(model, cfg: RLConfig, prompt: int) -> int:
+    """Bytes of one batch's states after its prompts of ``prompt`` bases are read."""
+    tokens = _batch(cfg, prompt, torch.Generator().manual_seed(prompt))
+    first = tokens[:: cfg.group_size, : 1 + prompt]
+    with torch.no_grad():
+        state, _ = prefill(model, first, 16_384)
+    return state_bytes(repeat_state(state, cfg.group_size))
+
+
+def _line(fit: tuple[float, float], length: int) -> int:
+    c, a = fit
+    return int(c + a * length)
+
+
+def rl_need(model, cfg: RLConfig) -> dict[str, int]:
+    """The job's estimated peak bytes at ``cfg.prompt.length``: ``trainer`` (this process:
+    weights, frozen copy, AdamW moments and the measured step) and ``generator`` (its weights and
+    one batch's states; in this process too when the job is synchronous)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    probe = copy.deepcopy(model).eval()
+    if probe.head is not None and not probe.head.weight.any():  # zero head: an idle backward
+        with torch.no_grad():
+            probe.head.weight.normal_(0, 0.5)
+    trainer_peak(probe, cfg, PROBES[0] // 4)  # first-call costs (kernels, pools) out of the fit
+    peaks = [trainer_peak(probe, cfg, n) for n in PROBES]
+    states = [generator_state(probe, cfg, n) for n in PROBES]
+    del probe
+    fits = []
+    for ys in (peaks, states):
+        a = max(ys[1] - ys[0], 0) / (PROBES[1] - PROBES[0])
+        fits.append((ys[0] - a * PROBES[0], a))
+    P = cfg.prompt.length
+    now = proc_status("VmRSS") or 0
+    return {"trainer": now + 3 * params + _line(fits[0], P),
+            "generator": params + _line(fits[1], P),
+            "per_base": int(fits[0][1] + fits[1][1])}
+
+
+def check_rl_fits(model, cfg: RLConfig) -> dict[str, int] | None:
+    """Refuse (one line) a CPU job whose trainer and generator at ``prompt.length`` cannot fit
+    in this machine's memory, naming the longest prompt that would; the estimate where it fits,
+    None where it is not checked (a GPU, no ``/proc``)."""
+    if torch.cuda.is_available() or not reset_peak_rss():
+        return None
+    room = available_bytes()
+    if room is None:
+        return None
+    need = rl_need(model, cfg)
+    total = need["trainer"] + need["generator"]  # two processes, or one holding both
+    if total <= HEADROOM * room:
+        return need
+    longest = cfg.prompt.length - int((total - HEADROOM * room) / max(need["per_base"], 1))
+    fits = f"prompt.length {max(longest, 0):,} or less would fit" if longest > 0 else \
+        "no prompt length fits"
+    raise InputError(f"prompt.length {cfg.prompt.length:,}: the trainer's step (each group's "
+                     f"prompt read whole, with gradients) and the generator's states need "
+                     f"~{total / 1e9:.1f} GB of the {room / 1e9:.1f} GB this machine has free; "
+                     f"{fits} (a prompt walked in segments is not built yet)",
+                     options=("prompt.length",))
