@@ -17,8 +17,7 @@ one batch holds: the generator decodes one batch at a time). The synchronous run
 trainer-vs-generator mismatch with routing replay and, scored the other way in the same steps,
 without; the peak resident memory of this process (trainer and generator in one) is printed
 after each synchronous run, a running maximum, so give the lengths in rising order. The science
-runs (docs/science.md)
-time the whole way to a reward threshold instead.
+runs (docs/science.md) time the whole way to a reward threshold instead.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -80,6 +81,24 @@ def available_bytes() -> int | None:
     return min(limits) if limits else None
 
 
+def measured_peak(run: Callable[[], None], trim: Callable[[], None] | None = None) -> int:
+    """Peak resident bytes above the start of ``run()`` (the heap handed back first with ``trim``,
+    :func:`~megabase.pipeline.memory.heap_trimmer`'s, so earlier freed pages do not hide it)."""
+    if trim is not None:
+        trim()
+    start = proc_status("VmRSS") or 0
+    reset_peak_rss()
+    run()
+    return (proc_status("VmHWM") or start) - start
+
+
+def line_through(xs: tuple[int, int], ys: list[int]) -> tuple[float, float]:
+    """``(c, a)`` of the line ``c + a x`` through two measurements (a slope below 0, noise, is
+    taken as 0)."""
+    a = max(ys[1] - ys[0], 0) / (xs[1] - xs[0])
+    return ys[0] - a * xs[0], a
+
+
 class Probe:
     """Peak-memory measurements of one run's model on the CPU, made once each and reused."""
 
@@ -104,9 +123,9 @@ class Probe:
             model = self.model if recompute == "none" else apply_recompute(
                 copy.deepcopy(self.model), recompute)
             self._step(model, batch, PROBE // 8)  # first-call costs (kernels, pools) out of the fit
-            peaks = [self._step(model, batch, n) for n in (PROBE, 2 * PROBE)]
-            slope = max(peaks[1] - peaks[0], 0) / (PROBE * batch)
-            self._fits[recompute] = (peaks[0] - slope * PROBE * batch, slope)
+            sizes = (PROBE * batch, 2 * PROBE * batch)
+            self._fits[recompute] = line_through(
+                sizes, [self._step(model, batch, n) for n in (PROBE, 2 * PROBE)])
         c, a = self._fits[recompute]
         return int(c + a * batch * length)
 
@@ -124,14 +143,7 @@ class Probe:
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(0, 4, (batch, n + 1), generator=gen)
         model.zero_grad(set_to_none=True)
-        if self.trim is not None:
-            self.trim()
-        start = proc_status("VmRSS") or 0
-        reset_peak_rss()
-        out = model(ids[:, :-1], ids[:, 1:])
-        out.loss.backward()
-        peak = (proc_status("VmHWM") or start) - start
-        del out
+        peak = measured_peak(lambda: model(ids[:, :-1], ids[:, 1:]).loss.backward(), self.trim)
         model.zero_grad(set_to_none=True)
         return peak
 

@@ -19,7 +19,8 @@ import torch
 from megabase.core.errors import InputError
 from megabase.core.vocab import SEP
 from megabase.model import prefill, repeat_state, state_bytes
-from megabase.pipeline.fit import HEADROOM, available_bytes
+from megabase.infer.common import DEFAULT_SEGMENT
+from megabase.pipeline.fit import HEADROOM, available_bytes, line_through, measured_peak
 from megabase.pipeline.memory import heap_trimmer, proc_status, reset_peak_rss
 
 from .config import RLConfig
@@ -37,20 +38,17 @@ def _batch(cfg: RLConfig, prompt: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([rows, torch.randint(0, 4, (n * G, cfg.sample_length), generator=gen)], 1)
 
 
-def trainer_peak(model, cfg: RLConfig, prompt: int) -> int:
+def trainer_peak(model, cfg: RLConfig, prompt: int, trim=None) -> int:
     """Peak bytes above the start of the policy's pass and backward over one batch of prompts of
-    ``prompt`` bases."""
+    ``prompt`` bases (``trim``: :func:`~megabase.pipeline.fit.measured_peak`'s)."""
     tokens = _batch(cfg, prompt, torch.Generator().manual_seed(prompt))
-    trim = heap_trimmer()
-    if trim is not None:
-        trim()
-    start = proc_status("VmRSS") or 0
-    reset_peak_rss()
-    logp, _, _ = sampled_log_probs(model, tokens, 1 + prompt, cfg.temperature,
-                                   group=cfg.group_size)
-    logp.sum().backward()
-    peak = (proc_status("VmHWM") or start) - start
-    del logp
+
+    def step() -> None:
+        logp, _, _ = sampled_log_probs(model, tokens, 1 + prompt, cfg.temperature,
+                                       group=cfg.group_size)
+        logp.sum().backward()
+
+    peak = measured_peak(step, trim)
     model.zero_grad(set_to_none=True)
     return peak
 
@@ -60,13 +58,8 @@ def generator_state(model, cfg: RLConfig, prompt: int) -> int:
     tokens = _batch(cfg, prompt, torch.Generator().manual_seed(prompt))
     first = tokens[:: cfg.group_size, : 1 + prompt]
     with torch.no_grad():
-        state, _ = prefill(model, first, 16_384)
+        state, _ = prefill(model, first, DEFAULT_SEGMENT)
     return state_bytes(repeat_state(state, cfg.group_size))
-
-
-def _line(fit: tuple[float, float], length: int) -> int:
-    c, a = fit
-    return int(c + a * length)
 
 
 def rl_need(model, cfg: RLConfig) -> dict[str, int]:
@@ -78,19 +71,16 @@ def rl_need(model, cfg: RLConfig) -> dict[str, int]:
     if probe.head is not None and not probe.head.weight.any():  # zero head: an idle backward
         with torch.no_grad():
             probe.head.weight.normal_(0, 0.5)
-    trainer_peak(probe, cfg, PROBES[0] // 4)  # first-call costs (kernels, pools) out of the fit
-    peaks = [trainer_peak(probe, cfg, n) for n in PROBES]
-    states = [generator_state(probe, cfg, n) for n in PROBES]
+    trim = heap_trimmer()
+    trainer_peak(probe, cfg, PROBES[0] // 4, trim)  # first-call costs (kernels, pools) unfitted
+    step = line_through(PROBES, [trainer_peak(probe, cfg, n, trim) for n in PROBES])
+    states = line_through(PROBES, [generator_state(probe, cfg, n) for n in PROBES])
     del probe
-    fits = []
-    for ys in (peaks, states):
-        a = max(ys[1] - ys[0], 0) / (PROBES[1] - PROBES[0])
-        fits.append((ys[0] - a * PROBES[0], a))
     P = cfg.prompt.length
     now = proc_status("VmRSS") or 0
-    return {"trainer": now + 3 * params + _line(fits[0], P),
-            "generator": params + _line(fits[1], P),
-            "per_base": int(fits[0][1] + fits[1][1])}
+    return {"trainer": now + 3 * params + int(step[0] + step[1] * P),
+            "generator": params + int(states[0] + states[1] * P),
+            "per_base": int(step[1] + states[1])}
 
 
 def check_rl_fits(model, cfg: RLConfig) -> dict[str, int] | None:

@@ -18,6 +18,7 @@ import torch
 
 from megabase.core.errors import TrainingError
 from megabase.core.vocab import SEP
+from megabase.infer.common import DEFAULT_SEGMENT
 from megabase.infer.sampling import SamplingError, sample
 
 from .config import RLConfig
@@ -66,7 +67,7 @@ def generator_model(model, cfg: RLConfig):
 @torch.no_grad()
 def sample_batch(model, prompts: list[np.ndarray], cfg: RLConfig, batch: int,
                  channel, version: int, gen: torch.Generator,
-                 segment: int = 16_384) -> tuple[list[Rollout], int]:
+                 segment: int = DEFAULT_SEGMENT) -> tuple[list[Rollout], int]:
     """``cfg.group_size`` samples of ``cfg.sample_length`` bases after each prompt (all decoded as
     one batch by :func:`megabase.infer.sampling.sample`, each prompt read once for its group, new
     weights taken between steps; with ``recompute_state`` an update reads each prompt again, once,

@@ -208,8 +208,8 @@ class CallableReward:
         self.fn = load_callable(spec, base)
 
     def __call__(self, tokens: np.ndarray, context: np.ndarray | None = None) -> np.ndarray:
-        """``tokens [N, L]`` -> ``[N]`` float64 rewards (``context``, the prompt, is not passed on), each finite in float32 (the precision
-        they travel and train in)."""
+        """``tokens [N, L]`` -> ``[N]`` float64 rewards, each finite in float32 (the precision
+        they travel and train in); ``context``, the prompt, is not passed to the function."""
         seqs = ["".join(SYMBOLS[t] for t in row.tolist()) for row in tokens]
         try:
             values = self.fn(seqs)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from megabase.core.errors import TrainingError
+from megabase.model import repeat_state
 
 from .config import RLConfig
 from .loss import LN2, group_advantages, mismatch, rl_loss
@@ -56,8 +57,6 @@ def group_pass(model, tokens: torch.Tensor, prompt_len: int, group: int,
     (its first ``prompt_len - 1`` tokens; the last prompt token predicts the first sampled base,
     so it is read with the samples), then one over the group's sampled bases from a copy of the
     prompt's state per row; ``routing`` (per MoE layer ``[N, >= S - 1, k]``) is replayed on both."""
-    from megabase.model import repeat_state
-
     N, S = tokens.shape
     if N % group:
         raise ValueError(f"{N} rows are not groups of {group}")
