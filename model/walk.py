@@ -66,8 +66,11 @@ class Walk:
     sent back in the backward (their gradients)."""
 
     def __init__(self, ids: torch.Tensor, bounds: list[tuple[int, int]], between=None,
-                 group: OneProcess = ONE_PROCESS):
-        self.ids, self.bounds, self.T = ids, bounds, ids.shape[1]
+                 group: OneProcess = ONE_PROCESS, fan: bool = False):
+        self.ids, self.bounds, self.T = ids, bounds, bounds[-1][1]
+        # the last segment continues the window's one row as several (RL: a prompt read once,
+        # then its group's samples; :mod:`megabase.model.walk_group`), its rows not in ``ids``
+        self.fan = fan
         self.group = group  # the context-parallel group sharing each segment (ONE_PROCESS: none)
         self.tails: dict = {}  # (key, segment) -> the segment's last rows of a layer's input
         self.states: dict = {}  # (key, segment) -> the KDA state at the segment's start
@@ -105,6 +108,23 @@ class Walk:
             got = g.gather(torch.zeros_like(value) if mine is None else mine)[0]
             if g.rank == g.size - 1:
                 grads[key] = got
+
+    def backward(self, params, grads: list, objective: torch.Tensor | None = None) -> None:
+        """One segment's backward: from ``objective`` (its own loss, if any) and the boundary
+        outputs later segments sent gradients to, add its share of each parameter's gradient into
+        ``grads`` and send its boundary inputs' gradients where they go."""
+        roots = ([] if objective is None else [objective]) + [r for r, _ in self.roots]
+        sent = ([] if objective is None else [None]) + [g for _, g in self.roots]
+        leaves = [leaf for leaf, _, _ in self.leaves]
+        found = torch.autograd.grad(roots, list(params) + leaves, sent, allow_unused=True) \
+            if roots else [None] * (len(params) + len(leaves))
+        for j, g in enumerate(found[: len(params)]):
+            if g is not None:
+                grads[j] = g if grads[j] is None else grads[j] + g
+        for (_, sink, key), g in zip(self.leaves, found[len(params):]):
+            if g is not None:
+                sink[key] = g
+        self.roots, self.leaves = [], []
 
     def root(self, output: torch.Tensor, grad: torch.Tensor) -> None:
         self.roots.append((output, grad))
@@ -171,6 +191,7 @@ class Segment(OneProcess):
         self.first = walk.group.rank == 0  # the rank whose piece starts the segment
         self.final = walk.group.rank == walk.group.size - 1  # and the one that ends it
         self.last = index == len(walk.bounds) - 1
+        self.fan = walk.fan and self.last  # this segment's rows all continue the one before
         self.calls: list = []  # what each call returned, in order (a recompute replays them)
         self.sinks = None  # the key gradient buffers of this layer's prefix (the backward's pass)
         self.sealed = False
@@ -217,6 +238,8 @@ class Segment(OneProcess):
         return length / self.walk.T
 
     def prefix_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fan:
+            return torch.cat([_rows(self.walk.ids, ids).to(ids.dtype), ids], 1)
         return self.walk.ids[:, : self.end].to(ids.dtype)
 
     def check_streaming(self) -> None:
@@ -240,14 +263,14 @@ class Segment(OneProcess):
                                      f"{n}-row border")
                 w.tails[key, self.index] = every[-1].clone()
             prev = w.tails.get((key, self.index - 1)) if self.first else every[g.rank - 1]
-            return self._keep("before", prev)
+            return self._keep("before", _rows(prev, x))
         kept = w.tails.get((key, self.index - 1))
         if not x.is_floating_point():
             prev = kept
             if g.size > 1:  # every rank joins the exchange
                 every = g.gather(rows)
                 prev = kept if self.first else every[g.rank - 1]
-            return self._keep("before", prev)
+            return self._keep("before", _rows(prev, x))
         if self.final:
             sent = w.tail_grads.pop((key, self.index), None)
             if sent is not None:
@@ -255,7 +278,7 @@ class Segment(OneProcess):
         if kept is not None and self.first:
             kept = w.leaf(kept, w.tail_grads, (key, self.index - 1))
         if g.size == 1:
-            return self._keep("before", kept)
+            return self._keep("before", _rows(kept, x))
         every = g.gather(rows)  # differentiable: its backward reaches every rank
         head = torch.zeros_like(every[0]) if kept is None else kept
         return self._keep("before", torch.cat([head[None], every[:-1]])[g.rank])
@@ -270,6 +293,8 @@ class Segment(OneProcess):
         if key not in w.keys:
             w.keys[key] = [x.new_empty(x.shape[0], w.T, *x.shape[2:]) for x in xs]
         buffers = w.keys[key]
+        if self.fan:
+            return self._keep("prefix", self._fanned(key, xs))
         if not self.grad:  # written once: the backward's pass recomputes the same rows
             a, b = self.span
             every = g.gather(_packed([x.detach() for x in xs]))  # [P, B, n, channels]
@@ -278,7 +303,25 @@ class Segment(OneProcess):
         if key not in w.key_grads:
             w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
         self.sinks = w.key_grads[key]
-        return self._keep("prefix", _Prefix.apply(self, buffers, self.sinks, *xs))
+        out = _Prefix.apply(self, buffers, self.sinks, *xs)
+        if w.fan:
+            # no loss of its own here: a layer whose output reaches no later border (the last
+            # DSA layer) must still send its keys what the fanned rows' queries gave them
+            w.root(out[0], out[0].new_zeros(()).expand_as(out[0]))
+        return self._keep("prefix", out)
+
+    def _fanned(self, key, xs) -> tuple[torch.Tensor, ...]:
+        """The fan-out segment's keys: the window's rows before it, the same for each of its
+        rows, then each row's own; in the backward the kernels add into a gradient buffer per row,
+        summed over the rows into the window's."""
+        a, w = self.start, self.walk
+        buffers = w.keys[key]
+        if not self.grad:
+            return tuple(torch.cat([_rows(buf[:, :a], x), x], 1) for buf, x in zip(buffers, xs))
+        if key not in w.key_grads:
+            w.key_grads[key] = [torch.zeros_like(buf) for buf in buffers]
+        self.sinks = [x.new_zeros(x.shape[0], self.end, *x.shape[2:]) for x in xs]
+        return _FanPrefix.apply(a, buffers, self.sinks, w.key_grads[key], *xs)
 
     def key_grads(self) -> list[torch.Tensor] | None:
         """In the backward's pass, the window's gradient buffers of the keys ``prefix`` returned:
@@ -315,6 +358,7 @@ class Segment(OneProcess):
         start = w.states.get((key, self.index)) if self.first else None
         if self.grad and start is not None:
             start = w.leaf(start, w.state_grads, (key, self.index - 1))
+        start = _rows(start, q)
         o, final = group.kda(q, k, v, g, beta, initial_state=start, output_final_state=True,
                              backend=backend)
         if not self.grad and not self.last:
@@ -369,6 +413,37 @@ class _Prefix(torch.autograd.Function):
         if group.size > 1:
             _unpack(group.reduce(_packed([acc[:, a:b] for acc in ctx.grads])), ctx.grads, a, b)
         return (None, None, None, *(acc[:, start:end].clone() for acc in ctx.grads))
+
+
+class _FanPrefix(torch.autograd.Function):
+    """``x [G, n, ...]`` (the fan-out segment's rows) -> ``[G, a + n, ...]``: the window buffer's
+    first ``a`` rows (its one row, the same for each of the ``G``) then ``x``. The kernels add the
+    gradient of those rows into ``sinks`` (``[G, a + n, ...]``) in place; a gradient that reaches
+    this node is added too, then the first ``a`` rows' are summed over ``G`` into the window's
+    gradient buffer ``grads`` and ``x`` gets the rest."""
+
+    @staticmethod
+    def forward(ctx, a, buffers, sinks, grads, *xs):
+        ctx.a, ctx.sinks, ctx.grads = a, sinks, grads
+        ctx.set_materialize_grads(False)
+        return tuple(torch.cat([_rows(buf[:, :a], x), x], 1) for buf, x in zip(buffers, xs))
+
+    @staticmethod
+    def backward(ctx, *outs):
+        a = ctx.a
+        for g, acc, window in zip(outs, ctx.sinks, ctx.grads):
+            if g is not None:
+                acc += g
+            window[:, :a] += acc[:, :a].sum(0, keepdim=True)
+        return (None, None, None, None, *(acc[:, a:].clone() for acc in ctx.sinks))
+
+
+def _rows(prev: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``prev [1, ...]`` (the one row before a fan-out segment) for each of ``x``'s rows; as is
+    where the rows already match."""
+    if prev is None or prev.shape[0] == x.shape[0]:
+        return prev
+    return prev.expand(x.shape[0], *prev.shape[1:]).contiguous()
 
 
 def _packed(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -486,20 +561,10 @@ class _Walked(torch.autograd.Function):
                 seq.seal()
                 objective = out.lm_loss * (out.n_tokens / max(fn_ctx.n, 1)) * g_lm + \
                     out.aux_loss * g_aux
-                roots = [objective] + [r for r, _ in walk.roots]
-                sent = [None] + [g for _, g in walk.roots]
-                leaves = [leaf for leaf, _, _ in walk.leaves]
-                found = torch.autograd.grad(roots, list(params) + leaves, sent, allow_unused=True)
-            for j, g in enumerate(found[: len(params)]):
-                if g is not None:
-                    grads[j] = g if grads[j] is None else grads[j] + g
-            for (_, sink, key), g in zip(walk.leaves, found[len(params):]):
-                if g is not None:
-                    sink[key] = g
-            walk.roots, walk.leaves = [], []
+                walk.backward(params, grads, objective)
             walk.send_back(i)
             seq.release()
-            del out, objective, roots, found
+            del out, objective
             walk.between()
         walk.selected.close()
         return (None,) * 6 + tuple(grads)

@@ -75,6 +75,9 @@ class RLConfig:
     generator_dtype: str = "fp32"  # fp32 or bf16: the generator's numbers, as in practice, differ
     threads: int | None = None  # torch threads per process; None: the cores split between them
     target_reward: float | None = None  # report the wall time to a 5-step mean reward this high
+    # the trainer reads a longer prompt in segments of this many bases: exact gradients, one
+    # segment's activations alive at a time (a 131,072-base prompt whole needs ~45 GB)
+    walk_segment: int = 16_384
     measure_both: bool = True  # each step also scores the batch with replay switched the other way
     seed: int = 0
     tracking_uri: str | None = None  # None: sqlite:///<out>/mlflow.db
@@ -97,6 +100,7 @@ class RLConfig:
 
 DTYPES = ("fp32", "bf16")
 TEMPERATURE = (1e-2, 1e2)  # sampling temperatures accepted: near-greedy to near-uniform
+MIN_SEGMENT = 64  # a walked segment must hold every layer's border rows (conv, k-mer)
 POSITIVE = ("steps", "prompts_per_step", "group_size", "sample_length", "max_off_policy_steps")
 
 
@@ -141,6 +145,8 @@ def check(cfg: RLConfig, source: str) -> None:
         bad("max_minutes", f"must be a positive number of minutes, got {cfg.max_minutes}")
     if cfg.generator_dtype not in DTYPES:
         bad("generator_dtype", f"= {cfg.generator_dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.walk_segment < MIN_SEGMENT:
+        bad("walk_segment", f"must be at least {MIN_SEGMENT} bases, got {cfg.walk_segment}")
     if cfg.threads is not None and cfg.threads < 1:
         bad("threads", f"must be at least 1, got {cfg.threads}")
     if cfg.checkpoint is None:

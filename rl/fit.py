@@ -2,12 +2,16 @@
 job's prompt length, measured on the job's own model before anything starts.
 
 The trainer's step holds, at its peak, the policy's forward and backward over each group's
-prompt and samples (:func:`megabase.rl.trainer.group_pass`, whole: the prompt is not walked in
-segments yet), on top of the weights, a frozen copy and AdamW's moments; the generator holds its
-own copy of the weights and one batch's states (every sample's copy of its prompt's KDA states and
-DSA caches). Both grow with the prompt's length, so both are measured at :data:`PROBES` prompt
-lengths and fitted as ``c + a P``, as :mod:`megabase.pipeline.fit` does for a training step.
-:func:`check_rl_fits` refuses a job that cannot fit, with the longest prompt that would.
+prompt and samples (:func:`megabase.rl.trainer.group_pass`), on top of the weights, a frozen copy
+and AdamW's moments; the generator holds its own copy of the weights and one batch's states (every
+sample's copy of its prompt's KDA states and DSA caches). A prompt read whole costs memory in
+proportion to its length: measured at :data:`PROBES` lengths and fitted as ``c + a P``, as
+:mod:`megabase.pipeline.fit` does for a training step. A prompt walked in segments
+(``walk_segment``) holds one segment's activations (in proportion to the segment) and the prompt's
+keys and its group's copies of them (in proportion to the prompt): measured at :data:`WALKED`
+(prompt, segment) pairs and fitted as ``c + a P + b S`` (the two terms peak at different moments,
+so the sum is an upper estimate). :func:`check_rl_fits` refuses a job that cannot fit, with the
+longest prompt that would.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from megabase.pipeline.memory import heap_trimmer, proc_status, reset_peak_rss
 from .config import RLConfig
 from .trainer import sampled_log_probs
 
-PROBES = (1024, 2048)  # prompt lengths measured
+PROBES = (1024, 2048)  # prompt lengths measured, read whole
+WALKED = ((2048, 512), (4096, 512), (4096, 1024))  # (prompt, segment) measured, walked
 
 
 def _batch(cfg: RLConfig, prompt: int, gen: torch.Generator) -> torch.Tensor:
@@ -38,14 +43,15 @@ def _batch(cfg: RLConfig, prompt: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([rows, torch.randint(0, 4, (n * G, cfg.sample_length), generator=gen)], 1)
 
 
-def trainer_peak(model, cfg: RLConfig, prompt: int, trim=None) -> int:
+def trainer_peak(model, cfg: RLConfig, prompt: int, trim=None, segment: int | None = None) -> int:
     """Peak bytes above the start of the policy's pass and backward over one batch of prompts of
-    ``prompt`` bases (``trim``: :func:`~megabase.pipeline.fit.measured_peak`'s)."""
+    ``prompt`` bases, walked in segments of ``segment`` where longer (``trim``:
+    :func:`~megabase.pipeline.fit.measured_peak`'s)."""
     tokens = _batch(cfg, prompt, torch.Generator().manual_seed(prompt))
 
     def step() -> None:
         logp, _, _ = sampled_log_probs(model, tokens, 1 + prompt, cfg.temperature,
-                                       group=cfg.group_size)
+                                       group=cfg.group_size, segment=segment)
         logp.sum().backward()
 
     peak = measured_peak(step, trim)
@@ -73,10 +79,16 @@ def rl_need(model, cfg: RLConfig) -> dict[str, int]:
             probe.head.weight.normal_(0, 0.5)
     trim = heap_trimmer()
     trainer_peak(probe, cfg, PROBES[0] // 4, trim)  # first-call costs (kernels, pools) unfitted
-    step = line_through(PROBES, [trainer_peak(probe, cfg, n, trim) for n in PROBES])
+    P, S = cfg.prompt.length, cfg.walk_segment
+    if P > S:
+        (p0, s0), (p1, _), (_, s1) = WALKED
+        y = [trainer_peak(probe, cfg, p, trim, s) for p, s in WALKED]
+        a, b = max(y[1] - y[0], 0) / (p1 - p0), max(y[2] - y[1], 0) / (s1 - s0)
+        step = (y[0] - a * p0 - b * s0 + b * S, a)
+    else:
+        step = line_through(PROBES, [trainer_peak(probe, cfg, n, trim) for n in PROBES])
     states = line_through(PROBES, [generator_state(probe, cfg, n) for n in PROBES])
     del probe
-    P = cfg.prompt.length
     now = proc_status("VmRSS") or 0
     return {"trainer": now + 3 * params + int(step[0] + step[1] * P),
             "generator": params + int(states[0] + states[1] * P),
@@ -99,8 +111,9 @@ def check_rl_fits(model, cfg: RLConfig) -> dict[str, int] | None:
     longest = cfg.prompt.length - int((total - HEADROOM * room) / max(need["per_base"], 1))
     fits = f"prompt.length {max(longest, 0):,} or less would fit" if longest > 0 else \
         "no prompt length fits"
+    how = "whole" if cfg.prompt.length <= cfg.walk_segment else \
+        f"in segments of {cfg.walk_segment:,}"
     raise InputError(f"prompt.length {cfg.prompt.length:,}: the trainer's step (each group's "
-                     f"prompt read whole, with gradients) and the generator's states need "
+                     f"prompt read {how}, with gradients) and the generator's states need "
                      f"~{total / 1e9:.1f} GB of the {room / 1e9:.1f} GB this machine has free; "
-                     f"{fits} (a prompt walked in segments is not built yet)",
-                     options=("prompt.length",))
+                     f"{fits}", options=("prompt.length", "walk_segment"))

@@ -11,6 +11,7 @@ import torch
 
 from megabase.core.errors import TrainingError
 from megabase.model import repeat_state
+from megabase.model.walk_group import walked_group
 
 from .config import RLConfig
 from .loss import LN2, group_advantages, mismatch, rl_loss
@@ -20,7 +21,7 @@ from .rollout import Rollout
 
 def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature: float,
                       routing: list[torch.Tensor] | None = None, force: bool = True,
-                      group: int | None = None):
+                      group: int | None = None, segment: int | None = None):
     """Log-probs ``[N, L]`` of the sampled bases ``tokens[:, prompt_len:]`` given everything
     before them, the share of (token, MoE layer) pairs whose experts differ between ``routing``
     and the router (0 without ``routing``), and ``[N, L]``: the sampled bases predicted from a
@@ -29,12 +30,14 @@ def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature:
     With ``group``, rows come in groups of ``group`` that share their prompt: each group's prompt
     is read once (one pass of ``prompt_len - 1`` tokens, with autograd), its state copied to the
     group's rows, and their sampled bases read from it (:func:`group_pass`); gradients reach the
-    prompt's keys, values and states through the copies. Without it, one parallel pass over
-    ``tokens[:, :-1]``, every row's prompt included."""
+    prompt's keys, values and states through the copies; with ``segment`` too, a prompt longer
+    than it is walked in segments of it (:func:`~megabase.model.walk_group.walked_group`: one
+    segment's activations at a time, the gradients the same). Without ``group``, one parallel
+    pass over ``tokens[:, :-1]``, every row's prompt included."""
     inputs = tokens[:, :-1]
     L = tokens.shape[1] - prompt_len
     if group:
-        logits, own = group_pass(model, tokens, prompt_len, group, routing, force)
+        logits, own = group_pass(model, tokens, prompt_len, group, routing, force, segment)
     else:
         ctx = None if routing is None else replay_context(model, routing, inputs.shape[1], force)
         out = model(inputs, ctx=ctx)
@@ -50,13 +53,15 @@ def sampled_log_probs(model, tokens: torch.Tensor, prompt_len: int, temperature:
 
 
 def group_pass(model, tokens: torch.Tensor, prompt_len: int, group: int,
-               routing: list[torch.Tensor] | None = None, force: bool = True):
+               routing: list[torch.Tensor] | None = None, force: bool = True,
+               segment: int | None = None):
     """``tokens [N, S]`` in groups of ``group`` rows sharing ``tokens[:, :prompt_len]``: the
     logits ``[N, S - prompt_len, 4]`` that predict the sampled bases, and per MoE layer the
     router's own experts of every input ``[N, S - 1, k]``. One pass over each group's prompt
     (its first ``prompt_len - 1`` tokens; the last prompt token predicts the first sampled base,
     so it is read with the samples), then one over the group's sampled bases from a copy of the
-    prompt's state per row; ``routing`` (per MoE layer ``[N, >= S - 1, k]``) is replayed on both."""
+    prompt's state per row; ``routing`` (per MoE layer ``[N, >= S - 1, k]``) is replayed on both.
+    A prompt longer than ``segment`` is walked (:func:`~megabase.model.walk_group.walked_group`)."""
     N, S = tokens.shape
     if N % group:
         raise ValueError(f"{N} rows are not groups of {group}")
@@ -66,6 +71,13 @@ def group_pass(model, tokens: torch.Tensor, prompt_len: int, group: int,
         rows = tokens[g : g + group]
         first, rest = rows[:1, :head], rows[:, head:-1]
         replay = None if routing is None else [r[g : g + group] for r in routing]
+        if segment is not None and head > segment:
+            out, choice = walked_group(model, first, rest, segment,
+                                       None if replay is None else [r[:, : S - 1] for r in replay],
+                                       force)
+            logits.append(out)
+            own.append(choice)
+            continue
         state = model.init_state()
         ctx = None if replay is None else replay_context(model, [r[:1, :head] for r in replay],
                                                          head, force)
@@ -144,11 +156,13 @@ class Trainer:
         b = merge(groups)
         P, routing = b["prompt_len"], b["routing"]
         replay = cfg.routing_replay and routing is not None
-        G = cfg.group_size  # each group's prompt read once, not once per sample
+        # each group's prompt read once, not once per sample; a long one walked in segments
+        G, W = cfg.group_size, cfg.walk_segment
         logp, flips, routed = sampled_log_probs(self.policy, b["tokens"], P, cfg.temperature,
-                                                routing, force=replay, group=G)
+                                                routing, force=replay, group=G, segment=W)
         with torch.no_grad():
-            ref, _, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature, group=G)
+            ref, _, _ = sampled_log_probs(self.start, b["tokens"], P, cfg.temperature, group=G,
+                                          segment=W)
         adv = group_advantages(b["rewards"], cfg.group_size)
         parts = rl_loss(logp, b["behaviour"], adv, ref_logp=ref, mask_ratio=cfg.mask_ratio,
                         log_ratio_weight=cfg.log_ratio_weight, beta=cfg.beta)
@@ -169,7 +183,7 @@ class Trainer:
             with torch.no_grad():
                 other, other_flips, other_routed = sampled_log_probs(
                     self.policy, b["tokens"], P, cfg.temperature, routing, force=not replay,
-                    group=G)
+                    group=G, segment=W)
             tag = "without_replay" if replay else "with_replay"
             for k, v in mismatch(other, b["behaviour"], same).items():
                 metrics[f"mismatch_{tag}/{k}"] = v

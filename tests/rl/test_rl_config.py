@@ -31,6 +31,7 @@ def test_shipped_rl_configs_load(name):
     (["checkpoint=c", "prompt.fasta=f", "temperature=1e-300"], r"temperature must be within"),
     (["checkpoint=c", "prompt.fasta=f", "temperature=1e6"], r"temperature must be within"),
     (["checkpoint=c", "prompt.fasta=f", "reward.penalty=-1"], "reward.penalty must be 0 or more"),
+    (["checkpoint=c", "prompt.fasta=f", "walk_segment=8"], "walk_segment must be at least 64"),
 ])
 def test_bad_values_are_refused(sets, message):
     with pytest.raises(InputError, match=message):
