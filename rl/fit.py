@@ -83,7 +83,8 @@ def rl_need(model, cfg: RLConfig) -> dict[str, int]:
     if P > S:
         (p0, s0), (p1, _), (_, s1) = WALKED
         y = [trainer_peak(probe, cfg, p, trim, s) for p, s in WALKED]
-        a, b = max(y[1] - y[0], 0) / (p1 - p0), max(y[2] - y[1], 0) / (s1 - s0)
+        a = line_through((p0, p1), y[:2])[1]  # per prompt base, at segment s0
+        b = line_through((s0, s1), y[1:])[1]  # per segment base, at prompt p1
         step = (y[0] - a * p0 - b * s0 + b * S, a)
     else:
         step = line_through(PROBES, [trainer_peak(probe, cfg, n, trim) for n in PROBES])
